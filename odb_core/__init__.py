@@ -1,0 +1,49 @@
+"""ODB protocol core: pure-Python, sans-IO Online Dynamic Batching.
+
+No torch, no sockets, no processes, no sleeping: plain data in, plain data out.
+Properties P1-P8 are defined in the project's DESIGN notes and cited in docstrings.
+"""
+
+from odb_core.audit import Audit, audit
+from odb_core.config import ODBConfig
+from odb_core.errors import (
+    InvalidSampleError,
+    NonJoinStalledError,
+    ODBError,
+    PeerInconsistencyError,
+    ProtocolStateError,
+    WireFormatError,
+)
+from odb_core.grouping import batch_size_for, form_groups
+from odb_core.loss import step_weights
+from odb_core.protocol import Phase, Plan, RankProtocol, Step
+from odb_core.quota import QuotaTracker
+from odb_core.sampler import permutation, shard_views
+from odb_core.simulator import SimResult, simulate
+from odb_core.wire import Header, Status
+
+__all__ = [
+    "Audit",
+    "Header",
+    "InvalidSampleError",
+    "NonJoinStalledError",
+    "ODBConfig",
+    "ODBError",
+    "PeerInconsistencyError",
+    "Phase",
+    "Plan",
+    "ProtocolStateError",
+    "QuotaTracker",
+    "RankProtocol",
+    "SimResult",
+    "Status",
+    "Step",
+    "WireFormatError",
+    "audit",
+    "batch_size_for",
+    "form_groups",
+    "permutation",
+    "shard_views",
+    "simulate",
+    "step_weights",
+]

@@ -1,0 +1,68 @@
+"""Validated protocol configuration (pydantic v2).
+
+Every rank must hold the same :class:`ODBConfig`; the protocol's lockstep (P2) and
+determinism (P8) rest on every rank evaluating the same pure functions over the same
+gathered data with the same parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Mode = Literal["join", "non-join"]
+LossScaling = Literal["none", "sample", "approx", "exact"]
+TargetPolicyName = Literal["paper", "all-ready"]
+OverflowPolicyName = Literal["largest", "oldest"]
+
+
+class ODBConfig(BaseModel):
+    """Parameters of the ODB protocol.
+
+    Attributes:
+        token_budget: L_max, the padded-token budget of one group (P3); >= 1.
+        buffer_size: samples a rank buffers before it forms groups; >= 1.
+        depth: outstanding depth D, the bound on |Q| + |B|; defaults to
+            ``buffer_size`` and must be >= ``buffer_size`` (a smaller D can never
+            fill the buffer, and every rank would wait forever).
+        mode: ``"join"`` drains every view before global finish (P4);
+            ``"non-join"`` ends a logical iteration when any rank finishes and
+            chains iterations up to the sample quota (P5).
+        loss_scaling: how step weights are computed (P7); ``"exact"`` is per-token.
+        seed: base seed of the sampler permutation (P8).
+        target_policy: ``"paper"`` is Eq. 3 (default); ``"all-ready"`` skips the
+            round while any rank is still filling its buffer, so such ranks never
+            emit idle items (see :mod:`odb_core.alignment`).
+        overflow_policy: which groups a rank keeps when it has more than T:
+            ``"largest"`` (paper Alg. 1; ties to the oldest) or ``"oldest"``
+            (group holding the longest-waiting sample first; bounds waits by D rounds).
+        output_capacity: output slots a rank can fill in one round (C_r); ``None``
+            means unbounded.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    token_budget: int = Field(ge=1)
+    buffer_size: int = Field(default=1024, ge=1)
+    depth: int | None = Field(default=None, ge=1)
+    mode: Mode = "join"
+    loss_scaling: LossScaling = "exact"
+    seed: int = 0
+    target_policy: TargetPolicyName = "paper"
+    overflow_policy: OverflowPolicyName = "largest"
+    output_capacity: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _depth_covers_buffer(self) -> "ODBConfig":
+        if self.depth is not None and self.depth < self.buffer_size:
+            raise ValueError(
+                f"depth ({self.depth}) must be >= buffer_size ({self.buffer_size}): "
+                "a smaller outstanding depth can never fill the buffer"
+            )
+        return self
+
+    @property
+    def outstanding_depth(self) -> int:
+        """D: the effective bound on |Q| + |B| per rank."""
+        return self.depth if self.depth is not None else self.buffer_size

@@ -1,0 +1,39 @@
+"""Every exception ODB raises, defined in one place.
+
+All derive from :class:`ODBError`, so ``except ODBError`` catches anything the
+protocol core or the adapter raises on purpose.
+"""
+
+from __future__ import annotations
+
+
+class ODBError(Exception):
+    """Base class of every error raised on purpose by ODB."""
+
+
+class InvalidSampleError(ODBError, ValueError):
+    """A sample's length or loss-token count is unusable; the message names the sample."""
+
+
+class WireFormatError(ODBError, ValueError):
+    """A gathered vector is malformed: wrong length, out-of-range or negative field."""
+
+
+class PeerInconsistencyError(ODBError):
+    """A peer's gathered vector is well-formed but contradicts itself or the round.
+
+    Examples: a rank reports ``finished`` while holding samples, reports more groups
+    than samples, or is in a different round or iteration than we are.
+    """
+
+
+class ProtocolStateError(ODBError, RuntimeError):
+    """The caller drove the sans-IO state machine out of order (e.g. two headers in a row)."""
+
+
+class NonJoinStalledError(ODBError, RuntimeError):
+    """Non-join quota chaining cannot make progress: a logical iteration emitted nothing.
+
+    Happens when some rank's shard is empty: it reports ``finished`` at once and, in
+    non-join mode, ends every logical iteration before anything is emitted (P6 would fail).
+    """

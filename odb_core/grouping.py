@@ -1,0 +1,79 @@
+"""The B(l) grouping rule of paper Sec. 2.2 and App. C.
+
+Samples are sorted by realized length (ties by index) and walked from the longest
+to the shortest with a running size threshold t (initially 1): a group is closed
+when it holds t samples, and t becomes B(l) of its shortest sample, where
+B(l) = max(floor(L_max / l), 1). Each group is therefore a contiguous run of the
+sorted order, and P3 (Budget) follows: the first sample of a group is no longer
+than the shortest sample l' of the previous group, so size x max_len <=
+floor(L_max / l') x l' <= L_max. A sample longer than L_max is always alone.
+
+Zero-length samples are sized as length 1 (B(0) = B(1) = L_max); they are
+grouped and emitted like any other sample, never dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from odb_core.errors import InvalidSampleError
+
+
+def batch_size_for(length: int, token_budget: int) -> int:
+    """B(l) = max(floor(L_max / l), 1); a zero length counts as 1."""
+    return max(token_budget // max(length, 1), 1)
+
+
+def check_length(length: object, what: str) -> int:
+    """Return ``length`` if it is a non-negative int, else raise naming ``what``."""
+    if isinstance(length, bool) or not isinstance(length, int):
+        raise InvalidSampleError(f"{what}: length must be an int, got {type(length).__name__} {length!r}")
+    if length < 0:
+        raise InvalidSampleError(f"{what}: length must be >= 0, got {length}")
+    return length
+
+
+def form_groups(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Group sample indices by the B(l) rule with threshold carry-over (paper App. C).
+
+    Returns groups as lists of indices into ``lengths``; groups run from short to
+    long, indices inside a group by ascending length, ties broken by index.
+    Every index appears in exactly one group (nothing dropped), and every group of
+    two or more samples satisfies max_len x size <= token_budget (P3).
+
+    >>> form_groups([100, 200, 500, 800], 1000)
+    [[0, 1], [2], [3]]
+    """
+    if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
+        raise InvalidSampleError(f"token_budget must be an int >= 1, got {token_budget!r}")
+    for i, length in enumerate(lengths):
+        check_length(length, f"sample {i}")
+    return group_sorted(sorted(range(len(lengths)), key=lengths.__getitem__), lengths, token_budget)
+
+
+def group_sorted(order: list[int], lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """The grouping walk over ``order`` (keys already sorted by ascending length).
+
+    ``order`` holds keys into ``lengths`` (indices, or any hashable mapping key
+    when ``lengths`` is a dict); the result holds the same keys, unchecked.
+    """
+    groups: list[list[int]] = []
+    end = len(order)
+    threshold = 1
+    while end > 0:
+        start = max(end - threshold, 0)
+        groups.append(order[start:end])
+        threshold = batch_size_for(lengths[order[start]], token_budget)
+        end = start
+    groups.reverse()
+    return groups
+
+
+def over_budget(lengths: Sequence[int], token_budget: int) -> int:
+    """How many samples are longer than the budget (each travels alone)."""
+    return sum(1 for length in lengths if length > token_budget)
+
+
+def padded_tokens(group_lengths: Sequence[int]) -> int:
+    """Tokens a padded batch of these lengths occupies: max_len x size."""
+    return max(group_lengths) * len(group_lengths) if group_lengths else 0

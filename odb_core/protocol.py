@@ -1,0 +1,302 @@
+"""The per-rank ODB state machine over R/Q/B/E, sans-IO (DESIGN.md "The protocol").
+
+The caller owns all I/O. Per logical iteration it loops:
+
+1. ``fetch()`` -> view positions to request from workers (R -> Q, bounded by D);
+2. ``arrive(pos, length, tokens)`` for each sample that came back (Q -> B);
+3. ``begin_round()`` -> header vector; all_gather it across ranks;
+4. ``on_headers(gathered)`` -> :class:`Plan`; if ``plan.step_vector`` is not None,
+   all_gather it and pass the result to ``on_steps(gathered)`` -> emitted
+   :class:`Step` items (B -> E), exactly ``plan.target`` of them on every rank;
+5. stop when ``plan.done``.
+
+Invariants: R, Q, B, E partition the rank's views at every call boundary (P1); every
+rank emits the same number of items per round (P2); no emitted group of >= 2
+samples exceeds the budget (P3); in join mode ``done`` comes only when every rank
+holds nothing (P4). The machine never blocks, sleeps or talks to anything.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+from odb_core.alignment import TARGET_POLICIES, align
+from odb_core.config import ODBConfig
+from odb_core.errors import InvalidSampleError, PeerInconsistencyError, ProtocolStateError
+from odb_core.grouping import check_length, group_sorted
+from odb_core.loss import step_weights
+from odb_core.wire import Header, Status, decode_headers, decode_steps, encode_steps
+
+
+class Phase(enum.Enum):
+    """Where the rank is inside a round."""
+
+    OPEN = "open"  # fetch/arrive allowed; next: begin_round
+    HEADER_SENT = "header_sent"  # next: on_headers
+    STEPS_SENT = "steps_sent"  # next: on_steps
+    DONE = "done"  # the logical iteration is over
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What the round decided, identical on every rank except ``step_vector``."""
+
+    target: int
+    """T_grp: items every rank emits this round (0: skip round)."""
+    done: bool
+    """The logical iteration is over (join: all finished; non-join: any finished)."""
+    step_vector: list[int] | None
+    """The vector to all_gather next, or None when nothing is emitted."""
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One emitted item: a real group or an idle item, with its accounting (P7)."""
+
+    iteration: int
+    round: int
+    index: int
+    """Index of this item among the round's T items."""
+    positions: tuple[int, ...]
+    """View positions (into the rank's view list), short to long; empty when idle."""
+    identities: tuple[int, ...]
+    lengths: tuple[int, ...]
+    is_idle: bool
+    local_samples: int
+    global_samples: int
+    local_tokens: int
+    global_tokens: int
+    weight: Fraction
+    """This rank's share of the step's loss; weights of all ranks sum to 1 (P7)."""
+    world: int
+    over_budget: int
+    """1 if this is a lone sample longer than the token budget (reported, never dropped)."""
+
+    @property
+    def loss_scale(self) -> float:
+        """Multiply the local mean loss by this before DDP's average: W x weight."""
+        return float(self.weight * self.world)
+
+
+class RankProtocol:
+    """One rank's ODB state machine for one logical iteration.
+
+    Args:
+        config: the shared protocol configuration.
+        rank, world: this rank and the world size.
+        views: this rank's sampler views (dataset identities) in sampler order.
+        iteration: logical iteration number (epoch, or chained non-join iteration).
+    """
+
+    def __init__(self, config: ODBConfig, rank: int, world: int, views: Sequence[int], iteration: int = 0) -> None:
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} outside world of size {world}")
+        self.config = config
+        self.rank = rank
+        self.world = world
+        self.views = list(views)
+        self.iteration = iteration
+        self._target_policy = TARGET_POLICIES[config.target_policy]
+        self._next = 0  # R = views[_next:]
+        self._inflight: set[int] = set()  # Q
+        self._length: dict[int, int] = {}  # B: pos -> realized length
+        self._tokens: dict[int, int] = {}  # B: pos -> loss tokens
+        self._arrival: dict[int, int] = {}  # B: pos -> arrival sequence number
+        self._arrival_round: dict[int, int] = {}
+        self._buffer_tokens = 0
+        self._emitted: list[int] = []  # E, in emission order
+        self._seq = 0
+        self.round = 0
+        self.phase = Phase.OPEN
+        self._groups: list[list[int]] = []
+        self._header: Header | None = None
+        self._headers: list[Header] = []
+        self._pending: list[list[int]] = []
+        self._step_vector: list[int] | None = None
+        # measurements
+        self.max_wait_rounds = 0
+        self.skip_rounds = 0
+
+    # ---- state queries -------------------------------------------------------------
+    @property
+    def remaining(self) -> list[int]:
+        """R: positions not yet fetched, in sampler order."""
+        return list(range(self._next, len(self.views)))
+
+    @property
+    def in_flight(self) -> set[int]:
+        """Q: positions fetched but not arrived."""
+        return set(self._inflight)
+
+    @property
+    def buffered(self) -> dict[int, int]:
+        """B: position -> length of arrived, not yet emitted samples (overflow included)."""
+        return dict(self._length)
+
+    @property
+    def emitted(self) -> list[int]:
+        """E: emitted positions in emission order."""
+        return list(self._emitted)
+
+    @property
+    def finished(self) -> bool:
+        """R, Q and B are all empty."""
+        return self._next == len(self.views) and not self._inflight and not self._length
+
+    # ---- 1. fetch ------------------------------------------------------------------
+    def fetch(self) -> list[int]:
+        """Move views R -> Q while |Q| + |B| < D; return the positions to request."""
+        self._require(Phase.OPEN, "fetch")
+        room = self.config.outstanding_depth - len(self._inflight) - len(self._length)
+        take = max(0, min(room, len(self.views) - self._next))
+        fetched = list(range(self._next, self._next + take))
+        self._next += take
+        self._inflight.update(fetched)
+        return fetched
+
+    # ---- 2. arrive -----------------------------------------------------------------
+    def arrive(self, pos: int, length: int, tokens: int | None = None) -> None:
+        """A requested sample came back: Q -> B with its realized length.
+
+        ``tokens`` (loss tokens, default ``length``) must be a non-negative int.
+        Raises :class:`InvalidSampleError` naming the dataset index on a bad value,
+        :class:`ProtocolStateError` if ``pos`` is not in flight.
+        """
+        self._require(Phase.OPEN, "arrive")
+        if pos not in self._inflight:
+            raise ProtocolStateError(f"rank {self.rank}: position {pos} arrived but is not in flight")
+        what = f"sample {self.views[pos]} (rank {self.rank} view {pos})"
+        check_length(length, what)
+        if tokens is None:
+            tokens = length
+        elif isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise InvalidSampleError(f"{what}: loss tokens must be an int >= 0, got {tokens!r}")
+        self._inflight.discard(pos)
+        self._length[pos] = length
+        self._tokens[pos] = tokens
+        self._arrival[pos] = self._seq
+        self._arrival_round[pos] = self.round
+        self._seq += 1
+        self._buffer_tokens += tokens
+
+    # ---- 3. header -----------------------------------------------------------------
+    def begin_round(self) -> list[int]:
+        """Group if the buffer is full or the sampler is drained; return the header vector."""
+        self._require(Phase.OPEN, "begin_round")
+        nbuf = len(self._length)
+        drained = self._next == len(self.views) and not self._inflight
+        if drained and not nbuf:
+            status, self._groups = Status.FINISHED, []
+        elif nbuf and (nbuf >= self.config.buffer_size or drained):
+            status = Status.READY
+            order = sorted(self._length, key=lambda p: (self._length[p], p))
+            self._groups = group_sorted(order, self._length, self.config.token_budget)
+        else:
+            status, self._groups = Status.WAITING, []
+        self._header = Header(
+            iteration=self.iteration,
+            round=self.round,
+            status=status,
+            groups=len(self._groups),
+            capacity=self.config.output_capacity or 0,
+            samples=nbuf,
+            tokens=self._buffer_tokens,
+        )
+        self.phase = Phase.HEADER_SENT
+        return self._header.encode()
+
+    # ---- 4. align ------------------------------------------------------------------
+    def on_headers(self, gathered: Sequence[Sequence[int]]) -> Plan:
+        """Decide the round from every rank's header (identical on all ranks, P2)."""
+        self._require(Phase.HEADER_SENT, "on_headers")
+        headers = decode_headers(gathered, self.world, self.iteration, self.round)
+        assert self._header is not None
+        if headers[self.rank] != self._header:
+            raise PeerInconsistencyError(f"rank {self.rank}: gathered header differs from the one sent")
+        self._headers = headers
+        statuses = [h.status for h in headers]
+        if self.config.mode == "join":
+            done = all(s is Status.FINISHED for s in statuses)
+        else:
+            done = any(s is Status.FINISHED for s in statuses)
+        if done:
+            self.phase = Phase.DONE
+            return Plan(target=0, done=True, step_vector=None)
+        target = self._target_policy(headers)
+        if target == 0:
+            self.skip_rounds += 1
+            self._end_round()
+            return Plan(target=0, done=False, step_vector=None)
+        if self._header.status is Status.READY:
+            emitted, _recirculated = align(self._groups, target, self.config.overflow_policy, self._arrival)
+            self._pending = emitted
+        else:
+            self._pending = [[] for _ in range(target)]
+        items = [(len(g), sum(self._tokens[p] for p in g)) for g in self._pending]
+        self._step_vector = encode_steps(items)
+        self.phase = Phase.STEPS_SENT
+        return Plan(target=target, done=False, step_vector=list(self._step_vector))
+
+    # ---- 5. emit -------------------------------------------------------------------
+    def on_steps(self, gathered: Sequence[Sequence[int]]) -> list[Step]:
+        """Emit this round's items (B -> E) with their global accounting."""
+        self._require(Phase.STEPS_SENT, "on_steps")
+        target = len(self._pending)
+        per_rank = decode_steps(gathered, self._headers, target)
+        if [v for pair in per_rank[self.rank] for v in pair] != self._step_vector:
+            raise PeerInconsistencyError(f"rank {self.rank}: gathered step vector differs from the one sent")
+        mean_tokens = [Fraction(h.tokens, h.samples) if h.samples else Fraction(0) for h in self._headers]
+        steps: list[Step] = []
+        for i, group in enumerate(self._pending):
+            samples = [per_rank[r][i][0] for r in range(self.world)]
+            tokens = [per_rank[r][i][1] for r in range(self.world)]
+            weights = step_weights(self.config.loss_scaling, samples, tokens, mean_tokens)
+            lengths = tuple(self._length[p] for p in group)
+            for p in group:
+                self.max_wait_rounds = max(self.max_wait_rounds, self.round - self._arrival_round[p])
+            steps.append(
+                Step(
+                    iteration=self.iteration,
+                    round=self.round,
+                    index=i,
+                    positions=tuple(group),
+                    identities=tuple(self.views[p] for p in group),
+                    lengths=lengths,
+                    is_idle=not group,
+                    local_samples=samples[self.rank],
+                    global_samples=sum(samples),
+                    local_tokens=tokens[self.rank],
+                    global_tokens=sum(tokens),
+                    weight=weights[self.rank],
+                    world=self.world,
+                    over_budget=sum(1 for n in lengths if n > self.config.token_budget),
+                )
+            )
+            self._remove(group)
+        self._end_round()
+        return steps
+
+    # ---- helpers -------------------------------------------------------------------
+    def _remove(self, group: list[int]) -> None:
+        for p in group:
+            del self._length[p]
+            self._buffer_tokens -= self._tokens.pop(p)
+            del self._arrival[p]
+            del self._arrival_round[p]
+            self._emitted.append(p)
+
+    def _end_round(self) -> None:
+        self._pending = []
+        self._groups = []
+        self._step_vector = None
+        self.round += 1
+        self.phase = Phase.OPEN
+
+    def _require(self, phase: Phase, call: str) -> None:
+        if self.phase is not phase:
+            raise ProtocolStateError(
+                f"rank {self.rank}: {call}() called in phase {self.phase.value}, needs {phase.value}"
+            )

@@ -1,0 +1,37 @@
+"""Sampler views: a seeded permutation and DistributedSampler-compatible sharding.
+
+Sharding follows ``torch.utils.data.DistributedSampler(drop_last=False)``: the
+order is padded by repeating its head up to W x ceil(N / W) views and rank r takes
+every W-th view from r. The permutation itself is the core's own (seeded
+:mod:`random`); the torch adapter uses torch's, the sharding rule is the same.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+
+def permutation(n: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+    """The sampler order of ``range(n)`` for (seed, epoch); identity order if not shuffled."""
+    order = list(range(n))
+    if shuffle:
+        random.Random(f"odb-sampler:{seed}:{epoch}").shuffle(order)
+    return order
+
+
+def padded_order(order: Sequence[int], world: int) -> list[int]:
+    """``order`` padded by repetition to W x ceil(N / W) views (empty stays empty)."""
+    n = len(order)
+    total = world * -(-n // world)
+    out = list(order)
+    while len(out) < total:
+        out.extend(order[: total - len(out)])
+    return out
+
+
+def shard_views(order: Sequence[int], world: int, rank: int) -> list[int]:
+    """Rank ``rank``'s views: ``padded_order(order, world)[rank::world]``."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} outside world of size {world}")
+    return padded_order(order, world)[rank::world]

@@ -1,0 +1,106 @@
+"""The ``odb`` command line.
+
+``odb simulate`` drives the in-process simulator of :mod:`odb_core` (no torch import).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import ValidationError
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from odb_core.distributions import DISTRIBUTIONS
+    from odb_core.schedules import SCHEDULES
+
+    p = sub.add_parser("simulate", help="simulate W ranks of the ODB protocol in one process and audit the epoch")
+    p.add_argument("--world", type=int, default=8, help="number of ranks W (default 8)")
+    p.add_argument("--samples", type=int, default=None, help="dataset size N (default 20000, or all of a --lengths file)")
+    p.add_argument(
+        "--lengths",
+        default="ultrachat",
+        help=f"a file of integer lengths, or one of: {', '.join(DISTRIBUTIONS)} (default ultrachat)",
+    )
+    p.add_argument("--token-budget", type=int, default=8192, help="L_max, padded tokens per group (default 8192)")
+    p.add_argument("--buffer-size", type=int, default=1024, help="samples buffered before grouping (default 1024)")
+    p.add_argument("--depth", type=int, default=None, help="outstanding depth D (default: buffer size)")
+    p.add_argument("--mode", choices=["join", "non-join"], default="join")
+    p.add_argument("--schedule", choices=SCHEDULES, default="in_order", help="delivery schedule / sharding")
+    p.add_argument("--target-policy", choices=["paper", "all-ready"], default="paper")
+    p.add_argument("--overflow-policy", choices=["largest", "oldest"], default="largest")
+    p.add_argument("--capacity", type=int, default=None, help="output slots per rank per round (default unbounded)")
+    p.add_argument("--loss-scaling", choices=["none", "sample", "approx", "exact"], default="exact")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-shuffle", action="store_true", help="sampler order 0..N-1 instead of a seeded shuffle")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_simulate)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from odb_core import ODBConfig, audit, simulate
+    from odb_core.distributions import DISTRIBUTIONS, read_lengths, sample_lengths
+
+    if args.lengths in DISTRIBUTIONS:
+        lengths = sample_lengths(args.lengths, 20000 if args.samples is None else args.samples, args.seed)
+    else:
+        path = Path(args.lengths)
+        if not path.is_file():
+            raise SystemExit(f"odb simulate: --lengths {args.lengths!r} is neither a file nor a known distribution")
+        lengths = read_lengths(path)
+        if args.samples is not None:
+            if args.samples > len(lengths):
+                raise SystemExit(f"odb simulate: --samples {args.samples} exceeds the {len(lengths)} lengths in {path}")
+            lengths = lengths[: args.samples]
+    if args.samples is not None and args.samples < 0:
+        raise SystemExit("odb simulate: --samples must be >= 0")
+    if args.world < 1:
+        raise SystemExit("odb simulate: --world must be >= 1")
+    try:
+        config = ODBConfig(
+            token_budget=args.token_budget,
+            buffer_size=args.buffer_size,
+            depth=args.depth,
+            mode=args.mode,
+            loss_scaling=args.loss_scaling,
+            seed=args.seed,
+            target_policy=args.target_policy,
+            overflow_policy=args.overflow_policy,
+            output_capacity=args.capacity,
+        )
+    except ValidationError as exc:
+        raise SystemExit(f"odb simulate: invalid configuration:\n{exc}") from None
+    report = audit(simulate(lengths, args.world, config, args.schedule, shuffle=not args.no_shuffle)).to_json()
+    if args.json:
+        print(json.dumps(report))
+    else:
+        width = max(map(len, report))
+        for key, value in report.items():
+            if isinstance(value, float):
+                value = f"{value:.6g}"
+            elif isinstance(value, list) and len(value) > 8:
+                value = f"{value[:8]} ... ({len(value)} ranks)"
+            print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``odb`` argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(prog="odb", description="Online Dynamic Batching: tools and demos.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_simulate(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``odb`` console script."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
