@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from pathlib import Path
 
 
 def _lognormal(mu: float, sigma: float, cap: int) -> Callable[[random.Random], int]:
@@ -31,18 +30,3 @@ def sample_lengths(name: str, n: int, seed: int = 0) -> list[int]:
     rng = random.Random(f"odb-lengths:{name}:{seed}")
     draw = DISTRIBUTIONS[name]
     return [draw(rng) for _ in range(n)]
-
-
-def read_lengths(path: str | Path) -> list[int]:
-    """Integers from a text file, whitespace or comma separated; errors name the line."""
-    out: list[int] = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        for token in line.replace(",", " ").split():
-            try:
-                value = int(token)
-            except ValueError:
-                raise ValueError(f"{path}:{lineno}: {token!r} is not an integer length") from None
-            if value < 0:
-                raise ValueError(f"{path}:{lineno}: length {value} is negative")
-            out.append(value)
-    return out

@@ -14,7 +14,7 @@ grouped and emitted like any other sample, never dropped.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from odb_core.errors import InvalidSampleError
 
@@ -51,11 +51,11 @@ def form_groups(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
     return group_sorted(sorted(range(len(lengths)), key=lengths.__getitem__), lengths, token_budget)
 
 
-def group_sorted(order: list[int], lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+def group_sorted(order: list[int], lengths: Sequence[int] | Mapping[int, int], token_budget: int) -> list[list[int]]:
     """The grouping walk over ``order`` (keys already sorted by ascending length).
 
-    ``order`` holds keys into ``lengths`` (indices, or any hashable mapping key
-    when ``lengths`` is a dict); the result holds the same keys, unchecked.
+    ``order`` holds keys into ``lengths`` (list indices, or the keys of a mapping
+    such as the protocol's buffer); the result holds the same keys, unchecked.
     """
     groups: list[list[int]] = []
     end = len(order)

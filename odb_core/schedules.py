@@ -20,14 +20,15 @@ def shard(order: Sequence[int], world: int, schedule: str, rng: random.Random) -
     """Split the sampler order into per-rank views.
 
     ``empty_rank`` gives the last rank nothing (DistributedSampler sharding over the
-    others); ``uneven`` cuts the order at random points; the rest shard exactly
-    like DistributedSampler(drop_last=False).
+    others); ``uneven`` cuts the order at random points into non-empty shards of
+    unequal sizes (when N >= W); the rest shard exactly like
+    DistributedSampler(drop_last=False).
     """
     check_schedule(schedule)
     if schedule == "empty_rank" and world > 1:
         return [shard_views(order, world - 1, r) for r in range(world - 1)] + [[]]
-    if schedule == "uneven" and world > 1:
-        cuts = sorted(rng.randint(0, len(order)) for _ in range(world - 1))
+    if schedule == "uneven" and 1 < world <= len(order):
+        cuts = sorted(rng.sample(range(1, len(order)), world - 1))
         bounds = [0, *cuts, len(order)]
         return [list(order[bounds[r] : bounds[r + 1]]) for r in range(world)]
     return [shard_views(order, world, r) for r in range(world)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from odb_core.config import ODBConfig
@@ -19,6 +19,9 @@ from odb_core.quota import QuotaTracker
 from odb_core.sampler import permutation
 from odb_core.schedules import check_schedule, deliver, shard
 from odb_core.wire import payload_bytes
+
+
+Observer = Callable[[list[RankProtocol]], None]
 
 
 @dataclass
@@ -55,13 +58,15 @@ def simulate(
     tokens: Sequence[int] | None = None,
     shuffle: bool = True,
     max_rounds: int | None = None,
+    observer: Observer | None = None,
 ) -> SimResult:
     """Run one epoch: one logical iteration in join mode; in non-join mode, chained
     iterations until the global emitted count reaches N = len(lengths) (P5).
 
     ``tokens`` are per-sample loss tokens (default: the lengths). ``max_rounds``
     bounds each logical iteration (default 4 x (largest shard + D) + 8, above the
-    P6 bound); exceeding it raises :class:`ProtocolStateError`.
+    P6 bound); exceeding it raises :class:`ProtocolStateError`. ``observer`` is
+    called with every rank's state machine after each round (tests check P1/P2 there).
     """
     check_schedule(schedule)
     if world < 1:
@@ -80,7 +85,7 @@ def simulate(
         result.shards.append(shards)
         protos = [RankProtocol(config, r, world, shards[r], iteration) for r in range(world)]
         limit = max_rounds or 4 * (max(map(len, shards)) + config.outstanding_depth) + 8
-        consumed = _run_iteration(protos, lengths, toks, schedule, rng, result, quota, limit)
+        consumed = _run_iteration(protos, lengths, toks, schedule, rng, result, quota, limit, observer)
         result.final_states = protos
         result.max_wait_rounds = max([result.max_wait_rounds, *(p.max_wait_rounds for p in protos)])
         if quota is None:
@@ -110,6 +115,7 @@ def _run_iteration(
     result: SimResult,
     quota: QuotaTracker | None,
     limit: int,
+    observer: Observer | None,
 ) -> int:
     """One logical iteration; returns the global samples consumed in it."""
     world = len(protos)
@@ -125,13 +131,17 @@ def _run_iteration(
         headers = [p.begin_round() for p in protos]
         plans = [p.on_headers(headers) for p in protos]
         result.payload_bytes += payload_bytes(plans[0].target)
-        if plans[0].done:
-            return consumed
-        if not plans[0].target:
+        if plans[0].done or not plans[0].target:
+            if observer is not None:
+                observer(protos)
+            if plans[0].done:
+                return consumed
             result.skip_rounds += 1
             continue
         vectors = [plan.step_vector or [] for plan in plans]
         emitted = [p.on_steps(vectors) for p in protos]
+        if observer is not None:
+            observer(protos)
         for i in range(plans[0].target):
             if quota is not None and quota.reached:
                 return consumed

@@ -43,7 +43,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
 
 def _simulate(args: argparse.Namespace) -> int:
     from odb_core import ODBConfig, audit, simulate
-    from odb_core.distributions import DISTRIBUTIONS, read_lengths, sample_lengths
+    from odb_core.distributions import DISTRIBUTIONS, sample_lengths
 
     if args.lengths in DISTRIBUTIONS:
         lengths = sample_lengths(args.lengths, 20000 if args.samples is None else args.samples, args.seed)
@@ -86,6 +86,21 @@ def _simulate(args: argparse.Namespace) -> int:
                 value = f"{value[:8]} ... ({len(value)} ranks)"
             print(f"{key:<{width}}  {value}")
     return 0
+
+
+def read_lengths(path: str | Path) -> list[int]:
+    """Integers from a text file, whitespace or comma separated; errors name the line."""
+    out: list[int] = []
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        for token in line.replace(",", " ").split():
+            try:
+                value = int(token)
+            except ValueError:
+                raise ValueError(f"{path}:{lineno}: {token!r} is not an integer length") from None
+            if value < 0:
+                raise ValueError(f"{path}:{lineno}: length {value} is negative")
+            out.append(value)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

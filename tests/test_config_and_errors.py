@@ -1,0 +1,61 @@
+"""Configuration validation names the field; misuse of the state machine is a typed error."""
+
+import pytest
+from pydantic import ValidationError
+
+from odb_core import InvalidSampleError, ODBConfig, ProtocolStateError, RankProtocol, simulate
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"token_budget": 0}, "token_budget"),
+        ({"token_budget": 10, "buffer_size": 0}, "buffer_size"),
+        ({"token_budget": 10, "buffer_size": 8, "depth": 4}, "depth"),
+        ({"token_budget": 10, "mode": "joined"}, "mode"),
+        ({"token_budget": 10, "loss_scaling": "tokens"}, "loss_scaling"),
+        ({"token_budget": 10, "target_policy": "greedy"}, "target_policy"),
+        ({"token_budget": 10, "output_capacity": 0}, "output_capacity"),
+        ({"token_budget": 10, "colour": "red"}, "colour"),
+    ],
+)
+def test_invalid_config_names_the_field(kwargs, field):
+    with pytest.raises(ValidationError, match=field):
+        ODBConfig(**kwargs)
+
+
+def test_depth_defaults_to_buffer_size():
+    assert ODBConfig(token_budget=10, buffer_size=32).outstanding_depth == 32
+    assert ODBConfig(token_budget=10, buffer_size=32, depth=40).outstanding_depth == 40
+
+
+def test_calls_out_of_order_raise_protocol_state_error():
+    p = RankProtocol(ODBConfig(token_budget=10, buffer_size=1), 0, 1, [5])
+    with pytest.raises(ProtocolStateError, match="on_headers"):
+        p.on_headers([[0] * 7])
+    p.begin_round()
+    with pytest.raises(ProtocolStateError, match="fetch"):
+        p.fetch()
+
+
+def test_arrival_of_unrequested_view_is_rejected():
+    p = RankProtocol(ODBConfig(token_budget=10, buffer_size=1), 0, 1, [5, 6])
+    with pytest.raises(ProtocolStateError, match="not in flight"):
+        p.arrive(0, 3)
+
+
+@pytest.mark.parametrize(("length", "tokens", "needle"), [(-1, None, "length"), (3, -2, "loss tokens"), ("7", None, "length")])
+def test_bad_sample_names_the_dataset_index(length, tokens, needle):
+    p = RankProtocol(ODBConfig(token_budget=10, buffer_size=1), 0, 1, [42])
+    (pos,) = p.fetch()
+    with pytest.raises(InvalidSampleError, match=rf"sample 42 .*{needle}"):
+        p.arrive(pos, length, tokens)
+    assert p.in_flight == {pos}  # nothing moved: the sample is still accounted in Q
+
+
+def test_zero_length_samples_are_emitted_not_dropped():
+    result = simulate([0, 0, 5, 0], 2, ODBConfig(token_budget=10, buffer_size=1))
+    emitted = sorted(i for steps in result.steps for s in steps for i in s.identities)
+    assert emitted == [0, 1, 2, 3]
+    zero_groups = [s.lengths for steps in result.steps for s in steps if s.lengths and max(s.lengths) == 0]
+    assert zero_groups, "zero-length samples travel in ordinary groups"

@@ -1,0 +1,84 @@
+"""The B(l) grouping rule (paper Sec. 2.2, App. C) and P3 Budget."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from odb_core import InvalidSampleError, form_groups
+from odb_core.grouping import batch_size_for
+
+
+def reference_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """The paper's prose, literally: walk longest to shortest, close at threshold t, t <- B(l_last)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    groups, current, t = [], [], 1
+    for i in reversed(order):
+        current.append(i)
+        if len(current) >= t:
+            groups.append(list(reversed(current)))
+            t = max(budget // max(lengths[i], 1), 1)
+            current = []
+    if current:
+        groups.append(list(reversed(current)))
+    return list(reversed(groups))
+
+
+def test_worked_example_from_paper_appendix_c():
+    assert form_groups([100, 200, 500, 800], 1000) == [[0, 1], [2], [3]]
+
+
+def test_threshold_carry_over_makes_first_group_a_singleton():
+    # t starts at 1, so the longest sample closes the first group alone; then t = B(100) = 10.
+    assert [len(g) for g in form_groups([100] * 25, 1000)] == [4, 10, 10, 1]
+
+
+lengths_st = st.lists(st.integers(0, 5000), max_size=300)
+budget_st = st.integers(1, 4096)
+
+
+@given(lengths_st, budget_st)
+def test_matches_the_papers_walk(lengths, budget):
+    assert form_groups(lengths, budget) == reference_groups(lengths, budget)
+
+
+@given(lengths_st, budget_st)
+def test_every_index_in_exactly_one_group(lengths, budget):
+    groups = form_groups(lengths, budget)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(groups)
+
+
+@given(lengths_st, budget_st)
+def test_p3_budget_holds_for_every_multi_sample_group(lengths, budget):
+    for g in form_groups(lengths, budget):
+        if len(g) >= 2:
+            assert max(lengths[i] for i in g) * len(g) <= budget
+
+
+@given(lengths_st, budget_st)
+def test_over_budget_samples_travel_alone(lengths, budget):
+    for g in form_groups(lengths, budget):
+        if any(lengths[i] > budget for i in g):
+            assert len(g) == 1
+
+
+@given(lengths_st, budget_st)
+def test_order_short_to_long_ties_by_index(lengths, budget):
+    flat = [i for g in form_groups(lengths, budget) for i in g]
+    assert flat == sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+
+
+def test_batch_size_rule():
+    assert batch_size_for(800, 1000) == 1
+    assert batch_size_for(100, 1000) == 10
+    assert batch_size_for(5000, 1000) == 1
+    assert batch_size_for(0, 1000) == 1000  # zero-length sized as length 1
+
+
+@pytest.mark.parametrize(
+    ("lengths", "budget", "needle"),
+    [([1, -3], 10, "sample 1"), ([1, 2.5], 10, "sample 1"), ([True], 10, "sample 0"), ([1], 0, "token_budget")],
+)
+def test_bad_input_names_the_sample_or_field(lengths, budget, needle):
+    with pytest.raises(InvalidSampleError, match=needle):
+        form_groups(lengths, budget)

@@ -1,0 +1,141 @@
+"""P1-P8 on the protocol core, as properties over random simulated epochs.
+
+Random W in 1..16, N in 0..5000 (N < W included), lengths from 0 to 3x the budget,
+budgets, buffer sizes, depths, capacities, both modes, both target and overflow
+policies and every delivery schedule (tests/strategies.py).
+"""
+
+from collections import Counter
+from fractions import Fraction
+
+import pytest
+from hypothesis import given
+
+from odb_core import NonJoinStalledError, ODBConfig, RankProtocol, audit, simulate
+from strategies import cases, lengths_from_seed
+
+
+def run(case, observer=None):
+    return simulate(case.lengths, case.world, case.config, case.schedule, observer=observer)
+
+
+def check_partition(protos: list[RankProtocol]) -> None:
+    for p in protos:
+        r, q, b, e = p.remaining, p.in_flight, set(p.buffered), p.emitted
+        assert len(r) + len(q) + len(b) + len(e) == len(p.views), f"rank {p.rank}: a view leaked or doubled"
+        assert set(r) | q | b | set(e) == set(range(len(p.views))), f"rank {p.rank}: R/Q/B/E do not cover the views"
+
+
+@given(cases())
+def test_p1_no_leak_every_round(case):
+    run(case, observer=check_partition)
+
+
+@given(cases())
+def test_p2_lockstep_every_round(case):
+    result = run(case)
+    per_round = [Counter((s.iteration, s.round) for s in steps) for steps in result.steps]
+    assert all(c == per_round[0] for c in per_round), "ranks emitted different item counts in some round"
+    assert len({len(steps) for steps in result.steps}) == 1
+
+
+@given(cases())
+def test_p3_budget_on_every_emitted_group(case):
+    result = run(case)
+    budget = case.config.token_budget
+    over = 0
+    for steps in result.steps:
+        for s in steps:
+            if len(s.lengths) >= 2:
+                assert max(s.lengths) * len(s.lengths) <= budget
+            over += s.over_budget
+            assert s.over_budget == (len(s.lengths) == 1 and s.lengths[0] > budget)
+    assert audit(result).over_budget_singletons == over
+
+
+@given(cases(modes=("join",)))
+def test_p4_join_emits_every_view_exactly_once(case):
+    result = run(case)
+    (shards,) = result.shards
+    for r, steps in enumerate(result.steps):
+        emitted = [i for s in steps for i in s.identities]
+        assert Counter(emitted) == Counter(shards[r]), f"rank {r} did not emit its shard exactly once"
+    report = audit(result)
+    assert report.coverage_exact
+    assert report.unique_identities == len(case.lengths)
+    assert report.duplicate_emits == report.sampler_padding
+
+
+@given(cases(modes=("non-join",)))
+def test_p5_non_join_quota_closure(case):
+    result = run(case)
+    n = len(case.lengths)
+    emitted = sum(s.local_samples for steps in result.steps for s in steps)
+    assert emitted == result.quota_emitted
+    assert n <= emitted <= n + result.max_step_samples
+    max_step = max((s.global_samples for s in result.steps[0]), default=0)
+    assert result.max_step_samples == max_step
+
+
+@given(cases(modes=("join",)))
+def test_p6_join_terminates_within_round_bound(case):
+    result = run(case)
+    views = [len(v) for v in result.shards[0]]
+    # Every round each unfinished rank either receives >= 1 sample (fair delivery) or
+    # emits >= 1 (paper policy); under all-ready, either all waiting ranks receive or
+    # all ready ranks emit. Each view arrives once and is emitted once, plus the final round.
+    bound = 2 * max(views) + 1 if case.config.target_policy == "paper" else 2 * sum(views) + 1
+    assert result.rounds <= bound
+
+
+@given(cases())
+def test_p7_exact_weights_sum_to_one_and_recover_per_token_mean(case):
+    exact = ODBConfig(**{**case.config.model_dump(), "loss_scaling": "exact"})
+    result = simulate(case.lengths, case.world, exact, case.schedule)
+    for items in zip(*result.steps):
+        total_tokens = items[0].global_tokens
+        assert all(s.global_tokens == total_tokens for s in items)
+        assert total_tokens == sum(s.local_tokens for s in items)
+        weights = [s.weight for s in items]
+        if total_tokens:
+            assert sum(weights) == 1
+            # per-token losses: token k of sample i has loss (i * 7 + k) % 5, integers
+            losses = [[(ident * 7 + k) % 5 for ident, n in zip(s.identities, s.lengths) for k in range(n)] for s in items]
+            reference = Fraction(sum(map(sum, losses)), total_tokens)
+            scaled = sum(w * Fraction(sum(ls), len(ls)) for w, ls in zip(weights, losses) if ls)
+            assert scaled == reference
+        else:
+            assert all(w == 0 for w in weights)
+        assert all(s.weight == 0 for s in items if s.is_idle)
+
+
+@given(cases())
+def test_p8_determinism_same_inputs_same_batches(case):
+    a, b = run(case), run(case)
+    assert [[(s.round, s.identities) for s in steps] for steps in a.steps] == [
+        [(s.round, s.identities) for s in steps] for steps in b.steps
+    ]
+
+
+@given(cases(modes=("join",)))
+def test_oldest_overflow_bounds_waits_by_depth(case):
+    cfg = ODBConfig(**{**case.config.model_dump(), "overflow_policy": "oldest"})
+    result = simulate(case.lengths, case.world, cfg, "in_order")
+    assert result.max_wait_rounds <= cfg.outstanding_depth
+
+
+def test_non_join_with_an_empty_rank_raises_instead_of_looping():
+    cfg = ODBConfig(token_budget=100, buffer_size=4, mode="non-join")
+    with pytest.raises(NonJoinStalledError, match=r"ranks \[2\]"):
+        simulate(lengths_from_seed(50, 100, 1, 0.0), 3, cfg, "empty_rank")
+
+
+@pytest.mark.parametrize(("n", "per_rank", "surplus"), [(57_284, 7_161, 4), (207_865, 25_984, 7)])
+def test_paper_identity_audit_figures(n, per_rank, surplus):
+    """Paper App. D.4: W=8 join mode emits ceil(N/W) views per rank, N unique, W - N mod W surplus."""
+    lengths = lengths_from_seed(n, 8192, 0, 0.0)
+    report = audit(simulate(lengths, 8, ODBConfig(token_budget=8192, buffer_size=1024), "in_order"))
+    assert report.emitted_per_rank == [per_rank] * 8
+    assert report.unique_identities == n
+    assert report.duplicate_emits == surplus
+    assert report.coverage_exact
