@@ -1,0 +1,47 @@
+--------------------------------- MODULE MC ---------------------------------
+(***************************************************************************)
+(* Model values for the configurations in spec/cfg/, and the seeded bugs   *)
+(* (mutants) a .cfg substitutes for ODB's operators. Each mutant has the   *)
+(* matching flag in odb_core (ODBConfig.mutant) and must be caught by TLC  *)
+(* and by the hypothesis suite.                                            *)
+(***************************************************************************)
+EXTENDS ODB
+
+\* Two ranks, four views each: a short-heavy rank and one with an over-budget view (Budget 10).
+NV_2x4 == <<4, 4>>
+Len_2x4 == <<<<2, 3, 6, 9>>, <<1, 1, 5, 12>>>>
+\* Three ranks with uneven shards.
+NV_3u == <<3, 2, 1>>
+Len_3u == <<<<1, 4, 8>>, <<2, 2>>, <<7>>>>
+\* Three ranks, the last with no data at all.
+NV_3e == <<3, 2, 0>>
+Len_3e == <<<<1, 4, 8>>, <<2, 2>>, <<>>>>
+\* Deep suite: three ranks, four views each.
+NV_3x4 == <<4, 4, 4>>
+Len_3x4 == <<<<2, 3, 6, 9>>, <<1, 1, 5, 12>>, <<4, 4, 4, 0>>>>
+
+---------------------------------------------------------------------------
+\* M1: target without C_min+ (ignores output capacity).
+MutTargetNoCmin(st, G, S) ==
+    IF Active(st) = {} THEN 0
+    ELSE LET m == Min({Max({G[r] : r \in Active(st)})} \cup {S[r] : r \in Active(st)})
+         IN IF m < 1 THEN 1 ELSE m
+\* M2: target fixed to max G (ignores C_min+ and S_min+).
+MutTargetMaxGroups(st, G, S) == IF Active(st) = {} THEN 0 ELSE Max({G[r] : r \in Active(st)})
+\* M3: overflow dropped instead of recirculated.
+MutRestDrop(r, ready, em) == IF ready THEN <<>> ELSE B[r]
+\* M4: finish announced while the buffer still holds samples.
+MutIsFinishedEarly(r) == Drained(r)
+\* M5: overflow merged into the last kept group instead of recirculated (breaks the budget).
+RECURSIVE Flat(_)
+Flat(gs) == IF gs = <<>> THEN <<>> ELSE Head(gs) \o Flat(Tail(gs))
+MutAlignMerge(r, gs, T) ==
+    IF Len(gs) > T
+    THEN LET kept == KeepTop(r, gs, T)
+             kset == UNION {Range(g) : g \in Range(kept)}
+             extra == SelectSeq(Flat(gs), LAMBDA p : p \notin kset)
+         IN [kept EXCEPT ![T] = @ \o extra]
+    ELSE Align(r, gs, T)
+\* M6: non-join without chaining of logical iterations.
+MutChainOff == FALSE
+=============================================================================

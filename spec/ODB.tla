@@ -1,0 +1,261 @@
+-------------------------------- MODULE ODB --------------------------------
+(***************************************************************************)
+(* Online Dynamic Batching: the per-rank R/Q/B/E protocol of odb_core,     *)
+(* with W ranks, per-rank fetch and drain bounded by the outstanding depth *)
+(* D, and one atomic gather/align/emit step for all ranks.                  *)
+(*                                                                         *)
+(* Ranks are 1..W and a rank's views are positions 1..NV[r] (odb_core uses *)
+(* 0-based ones); Length[r][p] is the realized length of view p on rank r. *)
+(* R is the suffix next[r]..NV[r] of the sampler order, Q a set, B a       *)
+(* sequence in arrival order (arrival order breaks overflow ties), E a set.*)
+(* The grouping, the target policy and the alignment are operators, so a   *)
+(* .cfg can substitute alternatives and seeded bugs (mutants).             *)
+(***************************************************************************)
+EXTENDS Naturals, Sequences, FiniteSets, TLC
+
+CONSTANTS W,          \* number of ranks
+          NV,         \* <<n_1, ..., n_W>>: views per rank
+          Length,     \* <<<<l_1_1, ...>>, ...>>: Length[r][p]
+          Budget,     \* L_max
+          BufSize,    \* buffer_size
+          Depth,      \* outstanding depth D
+          Capacity,   \* output slots per rank per round; 0 = unbounded
+          JoinMode,   \* TRUE: join; FALSE: non-join with quota chaining
+          Quota,      \* non-join sample quota N
+          Overflow    \* "largest" (paper) or "oldest"
+
+ASSUME W \in Nat \ {0} /\ Len(NV) = W /\ Budget \in Nat \ {0}
+ASSUME BufSize \in Nat \ {0} /\ Depth \in Nat /\ Capacity \in Nat /\ Quota \in Nat
+ASSUME JoinMode \in BOOLEAN /\ Overflow \in {"largest", "oldest"}
+
+VARIABLES next,     \* R = next[r]..NV[r]
+          Q,        \* in flight: set of positions
+          B,        \* buffer, arrival order, overflow included
+          E,        \* emitted positions (this logical iteration)
+          consumed, \* non-join: global samples consumed by the trainer
+          lastStep, \* non-join: global samples of the last consumed step
+          lastOut,  \* items each rank emitted in the last gather (<<>> = idle item)
+          rounds,   \* emitting rounds in this logical iteration
+          done      \* the epoch is over
+
+vars == <<next, Q, B, E, consumed, lastStep, lastOut, rounds, done>>
+Ranks == 1..W
+
+---------------------------------------------------------------------------
+Max(S) == CHOOSE m \in S : \A x \in S : x <= m
+Min(S) == CHOOSE m \in S : \A x \in S : m <= x
+Range(s) == {s[i] : i \in DOMAIN s}
+Reverse(s) == [i \in 1..Len(s) |-> s[Len(s) - i + 1]]
+RECURSIVE SumSeq(_)
+SumSeq(s) == IF s = <<>> THEN 0 ELSE Head(s) + SumSeq(Tail(s))
+Views(r) == 1..NV[r]
+Remaining(r) == next[r]..NV[r]
+
+\* B(l) = max(floor(L_max / l), 1); zero lengths count as 1.
+BS(l) == LET q == Budget \div (IF l < 1 THEN 1 ELSE l) IN IF q < 1 THEN 1 ELSE q
+
+---------------------------------------------------------------------------
+(* Per-rank status, as the header reports it.                              *)
+Drained(r) == next[r] > NV[r] /\ Q[r] = {}
+IsFinished(r) == Drained(r) /\ B[r] = <<>>
+Status(r) == IF IsFinished(r) THEN "finished"
+             ELSE IF B[r] # <<>> /\ (Len(B[r]) >= BufSize \/ Drained(r)) THEN "ready"
+             ELSE "waiting"
+
+(* Grouping: the B(l) walk over B sorted by (length, position).            *)
+ShorterFirst(r, a, b) == Length[r][a] < Length[r][b] \/ (Length[r][a] = Length[r][b] /\ a < b)
+RECURSIVE Walk(_, _, _, _)
+Walk(r, order, end, t) ==
+    IF end = 0 THEN <<>>
+    ELSE LET start == IF end > t THEN end - t ELSE 0
+         IN <<SubSeq(order, start + 1, end)>> \o Walk(r, order, start, BS(Length[r][order[start + 1]]))
+BRule(r) == LET order == SortSeq(B[r], LAMBDA a, b : ShorterFirst(r, a, b))
+            IN Reverse(Walk(r, order, Len(order), 1))
+Packing(r) == BRule(r)
+
+(* Target policies over the gathered statuses, group and sample counts.    *)
+Active(st) == {r \in Ranks : st[r] = "ready"}
+PaperTarget(st, G, S) ==
+    IF Active(st) = {} THEN 0
+    ELSE LET m == Min({Max({G[r] : r \in Active(st)})}
+                      \cup (IF Capacity > 0 THEN {Capacity} ELSE {})
+                      \cup {S[r] : r \in Active(st)})
+         IN IF m < 1 THEN 1 ELSE m
+AllReadyTarget(st, G, S) ==
+    IF \E r \in Ranks : st[r] = "waiting" THEN 0 ELSE PaperTarget(st, G, S)
+Target(st, G, S) == PaperTarget(st, G, S)
+
+(* Alignment: split (Alg. 1, upward) and overflow (downward).              *)
+RECURSIVE SplitTo(_, _)
+SplitTo(gs, T) ==
+    IF Len(gs) >= T THEN gs
+    ELSE LET big == {i \in 1..Len(gs) : Len(gs[i]) >= 2}
+         IN IF big = {} THEN gs
+            ELSE LET i == Max(big)
+                     g == gs[i]
+                 IN SplitTo(SubSeq(gs, 1, i - 1) \o <<SubSeq(g, 1, Len(g) - 1), <<g[Len(g)]>>>>
+                            \o SubSeq(gs, i + 1, Len(gs)), T)
+Age(r, g) == Min({i \in DOMAIN B[r] : B[r][i] \in Range(g)})
+Before(r, gs, a, b) ==
+    IF Overflow = "largest"
+    THEN Len(gs[a]) > Len(gs[b]) \/ (Len(gs[a]) = Len(gs[b]) /\ Age(r, gs[a]) < Age(r, gs[b]))
+    ELSE Age(r, gs[a]) < Age(r, gs[b])
+KeepTop(r, gs, T) ==
+    LET ranked == SortSeq([i \in 1..Len(gs) |-> i], LAMBDA a, b : Before(r, gs, a, b))
+        keep == Range(SubSeq(ranked, 1, T))
+        idx == SelectSeq([i \in 1..Len(gs) |-> i], LAMBDA i : i \in keep)
+    IN [k \in 1..Len(idx) |-> gs[idx[k]]]
+Align(r, gs, T) ==
+    IF Len(gs) < T THEN SplitTo(gs, T)
+    ELSE IF Len(gs) > T THEN KeepTop(r, gs, T)
+    ELSE gs
+AlignOp(r, gs, T) == Align(r, gs, T)
+
+(* What stays in B after a rank emitted `em`: overflow recirculates.       *)
+Rest(r, ready, em) == SelectSeq(B[r], LAMBDA p : p \notin em)
+ChainOn == TRUE
+
+---------------------------------------------------------------------------
+Init == /\ next = [r \in Ranks |-> 1]
+        /\ Q = [r \in Ranks |-> {}]
+        /\ B = [r \in Ranks |-> <<>>]
+        /\ E = [r \in Ranks |-> {}]
+        /\ consumed = 0
+        /\ lastStep = 0
+        /\ lastOut = [r \in Ranks |-> <<>>]
+        /\ rounds = 0
+        /\ done = (~JoinMode /\ Quota = 0)
+
+(* R -> Q while |Q| + |B| < D, all at once (odb_core's fetch()).           *)
+Fetch(r) ==
+    /\ ~done
+    /\ LET room == Depth - Cardinality(Q[r]) - Len(B[r])
+           avail == NV[r] - next[r] + 1
+           take == IF room < avail THEN room ELSE avail
+       IN /\ take > 0
+          /\ Q' = [Q EXCEPT ![r] = @ \cup next[r]..(next[r] + take - 1)]
+          /\ next' = [next EXCEPT ![r] = @ + take]
+    /\ UNCHANGED <<B, E, consumed, lastStep, lastOut, rounds, done>>
+
+(* One in-flight sample arrives, in any order: Q -> B.                     *)
+Drain(r, p) ==
+    /\ ~done
+    /\ p \in Q[r]
+    /\ Q' = [Q EXCEPT ![r] = @ \ {p}]
+    /\ B' = [B EXCEPT ![r] = Append(@, p)]
+    /\ UNCHANGED <<next, E, consumed, lastStep, lastOut, rounds, done>>
+
+EndIteration ==
+    IF JoinMode \/ ~ChainOn
+    THEN /\ done' = TRUE
+         /\ lastOut' = [r \in Ranks |-> <<>>]
+         /\ UNCHANGED <<next, Q, B, E, consumed, lastStep, rounds>>
+    ELSE \* non-join: the trainer chains the next logical iteration
+         /\ next' = [r \in Ranks |-> 1]
+         /\ Q' = [r \in Ranks |-> {}]
+         /\ B' = [r \in Ranks |-> <<>>]
+         /\ E' = [r \in Ranks |-> {}]
+         /\ rounds' = 0
+         /\ lastOut' = [r \in Ranks |-> <<>>]
+         /\ UNCHANGED <<consumed, lastStep, done>>
+
+(* Values are bound with \E x \in {e} rather than LET so TLC computes them *)
+(* once per step, also when it checks fairness (LET is re-evaluated there). *)
+Emit(st, gs, T) ==
+    \E out \in {[r \in Ranks |-> IF st[r] = "ready" THEN AlignOp(r, gs[r], T)
+                                 ELSE [i \in 1..T |-> <<>>]]} :
+    \E em \in {[r \in Ranks |-> UNION {Range(g) : g \in Range(out[r])}]} :
+    \* non-join: the trainer consumes steps, in order, until the quota is reached
+    \E step \in {[i \in 1..T |-> SumSeq([r \in Ranks |-> IF i <= Len(out[r]) THEN Len(out[r][i]) ELSE 0])]} :
+    \E cum \in {[k \in 0..T |-> SumSeq(SubSeq(step, 1, k))]} :
+    \E k \in {IF \E j \in 1..T : consumed + cum[j] >= Quota
+              THEN Min({j \in 1..T : consumed + cum[j] >= Quota}) ELSE T} :
+       /\ B' = [r \in Ranks |-> Rest(r, st[r] = "ready", em[r])]
+       /\ E' = [r \in Ranks |-> E[r] \cup em[r]]
+       /\ lastOut' = out
+       /\ rounds' = rounds + 1
+       /\ IF JoinMode
+          THEN UNCHANGED <<consumed, lastStep, done>>
+          ELSE /\ consumed' = consumed + cum[k]
+               /\ lastStep' = step[k]
+               /\ done' = (consumed + cum[k] >= Quota)
+       /\ UNCHANGED <<next, Q>>
+
+(* One atomic round for all ranks: header gather, align, step gather, emit.*)
+(* P is the grouping: the B(l) rule by default; trace validation replays   *)
+(* recorded groupings, and any packing within the budget is admissible.    *)
+GatherWith(P(_)) ==
+    /\ ~done
+    /\ \E st \in {[r \in Ranks |-> Status(r)]} :
+       \E gs \in {[r \in Ranks |-> IF st[r] = "ready" THEN P(r) ELSE <<>>]} :
+       \E T \in {Target(st, [r \in Ranks |-> Len(gs[r])], [r \in Ranks |-> Len(B[r])])} :
+          IF IF JoinMode THEN \A r \in Ranks : st[r] = "finished"
+             ELSE \E r \in Ranks : st[r] = "finished"
+          THEN EndIteration
+          ELSE IF T = 0
+          THEN /\ lastOut' = [r \in Ranks |-> <<>>]
+               /\ UNCHANGED <<next, Q, B, E, consumed, lastStep, rounds, done>>
+          ELSE Emit(st, gs, T)
+Gather == GatherWith(Packing)
+
+Terminating == done /\ UNCHANGED vars
+
+Next == \/ \E r \in Ranks : Fetch(r)
+        \/ \E r \in Ranks : \E p \in Views(r) : Drain(r, p)
+        \/ Gather
+        \/ Terminating
+
+(* Fairness, restated for TLC's speed: weak fairness on the combined      *)
+(* actions rather than per (rank, view) (2^k tableau blow-up otherwise).   *)
+(* Sound for termination because every Drain and every Fetch is progress. *)
+(* The sanity configurations check that dropping either part breaks it.   *)
+DrainAny == \E r \in Ranks : \E p \in Views(r) : Drain(r, p)
+FetchAny == \E r \in Ranks : Fetch(r)
+Fairness == WF_vars(DrainAny) /\ WF_vars(FetchAny) /\ WF_vars(Gather)
+Spec == Init /\ [][Next]_vars /\ Fairness
+\* Sanity: these must NOT satisfy Termination; CI checks that TLC refutes them.
+SpecNoDeliveryFairness == Init /\ [][Next]_vars /\ WF_vars(FetchAny) /\ WF_vars(Gather)
+SpecNoGatherFairness == Init /\ [][Next]_vars /\ WF_vars(DrainAny) /\ WF_vars(FetchAny)
+
+---------------------------------------------------------------------------
+(* Properties.                                                             *)
+TypeOK ==
+    /\ next \in [Ranks -> Nat] /\ \A r \in Ranks : next[r] \in 1..(NV[r] + 1)
+    /\ \A r \in Ranks : Q[r] \subseteq Views(r) /\ E[r] \subseteq Views(r)
+    /\ \A r \in Ranks : B[r] \in Seq(Views(r))
+    /\ consumed \in Nat /\ lastStep \in Nat /\ rounds \in Nat /\ done \in BOOLEAN
+
+\* P1 No-Leak: R, Q, B, E partition each rank's views.
+NoLeak ==
+    \A r \in Ranks :
+        /\ Cardinality(Range(B[r])) = Len(B[r])
+        /\ Remaining(r) \cap Q[r] = {} /\ Remaining(r) \cap Range(B[r]) = {} /\ Remaining(r) \cap E[r] = {}
+        /\ Q[r] \cap Range(B[r]) = {} /\ Q[r] \cap E[r] = {} /\ Range(B[r]) \cap E[r] = {}
+        /\ Remaining(r) \cup Q[r] \cup Range(B[r]) \cup E[r] = Views(r)
+
+DepthBound == \A r \in Ranks : Cardinality(Q[r]) + Len(B[r]) <= Depth
+
+\* P2 Lockstep: every rank emitted the same number of items in the last round.
+Lockstep == \A r, s \in Ranks : Len(lastOut[r]) = Len(lastOut[s])
+
+\* P3 Budget: no emitted group of >= 2 samples exceeds L_max.
+MaxLen(r, g) == Max({Length[r][p] : p \in Range(g)})
+BudgetOK == \A r \in Ranks : \A i \in DOMAIN lastOut[r] :
+                Len(lastOut[r][i]) >= 2 => MaxLen(r, lastOut[r][i]) * Len(lastOut[r][i]) <= Budget
+
+WithinCapacity == Capacity > 0 => \A r \in Ranks : Len(lastOut[r]) <= Capacity
+
+\* P4 Join coverage: at termination every view was emitted.
+JoinCoverage == (JoinMode /\ done) => \A r \in Ranks : E[r] = Views(r)
+
+\* P5 Quota closure: N <= S_emit < N + last step (so <= N + S_max).
+QuotaClosure == (~JoinMode /\ done) =>
+                    /\ consumed >= Quota
+                    /\ (Quota > 0 => consumed - lastStep < Quota)
+
+\* Round bound: each emitting round emits >= 1 view.
+RoundBound == rounds <= SumSeq(NV)
+
+\* P6 Termination.
+Termination == <>done
+=============================================================================
