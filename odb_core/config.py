@@ -15,6 +15,8 @@ Mode = Literal["join", "non-join"]
 LossScaling = Literal["none", "sample", "approx", "exact"]
 TargetPolicyName = Literal["paper", "all-ready"]
 OverflowPolicyName = Literal["largest", "oldest"]
+MutantName = Literal["no-cmin", "max-groups", "drop-overflow", "early-finish", "merge-overflow", "no-chain"]
+MUTANTS: tuple[str, ...] = ("no-cmin", "max-groups", "drop-overflow", "early-finish", "merge-overflow", "no-chain")
 
 
 class ODBConfig(BaseModel):
@@ -39,6 +41,9 @@ class ODBConfig(BaseModel):
             (group holding the longest-waiting sample first; bounds waits by D rounds).
         output_capacity: output slots a rank can fill in one round (C_r); ``None``
             means unbounded.
+        mutant: a seeded bug, for mutation checks only (model_checks, tests): the
+            same bug as the spec's mutant configuration of that name. Never set it
+            in training; every mutant breaks a property (P1-P5).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -52,6 +57,7 @@ class ODBConfig(BaseModel):
     target_policy: TargetPolicyName = "paper"
     overflow_policy: OverflowPolicyName = "largest"
     output_capacity: int | None = Field(default=None, ge=1)
+    mutant: MutantName | None = None
 
     @model_validator(mode="after")
     def _depth_covers_buffer(self) -> "ODBConfig":

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from odb_core.alignment import TARGET_POLICIES, align
+from odb_core.alignment import MUTANT_TARGETS, TARGET_POLICIES, align
 from odb_core.config import ODBConfig
 from odb_core.errors import InvalidSampleError, PeerInconsistencyError, ProtocolStateError
 from odb_core.grouping import check_length, group_sorted
@@ -99,7 +99,7 @@ class RankProtocol:
         self.world = world
         self.views = list(views)
         self.iteration = iteration
-        self._target_policy = TARGET_POLICIES[config.target_policy]
+        self._target_policy = MUTANT_TARGETS.get(config.mutant or "", TARGET_POLICIES[config.target_policy])
         self._next = 0  # R = views[_next:]
         self._inflight: set[int] = set()  # Q
         self._length: dict[int, int] = {}  # B: pos -> realized length
@@ -115,6 +115,7 @@ class RankProtocol:
         self._header: Header | None = None
         self._headers: list[Header] = []
         self._pending: list[list[int]] = []
+        self._dropped: list[int] = []
         self._step_vector: list[int] | None = None
         # measurements
         self.max_wait_rounds = 0
@@ -188,8 +189,9 @@ class RankProtocol:
         self._require(Phase.OPEN, "begin_round")
         nbuf = len(self._length)
         drained = self._next == len(self.views) and not self._inflight
-        if drained and not nbuf:
-            status, self._groups = Status.FINISHED, []
+        if drained and (not nbuf or self.config.mutant == "early-finish"):
+            status, self._groups = Status.FINISHED, []  # the early-finish mutant lies about B
+            nbuf = 0
         elif nbuf and (nbuf >= self.config.buffer_size or drained):
             status = Status.READY
             order = sorted(self._length, key=lambda p: (self._length[p], p))
@@ -203,7 +205,7 @@ class RankProtocol:
             groups=len(self._groups),
             capacity=self.config.output_capacity or 0,
             samples=nbuf,
-            tokens=self._buffer_tokens,
+            tokens=self._buffer_tokens if nbuf else 0,
         )
         self.phase = Phase.HEADER_SENT
         return self._header.encode()
@@ -231,7 +233,10 @@ class RankProtocol:
             self._end_round()
             return Plan(target=0, done=False, step_vector=None)
         if self._header.status is Status.READY:
-            emitted, _recirculated = align(self._groups, target, self.config.overflow_policy, self._arrival)
+            emitted, recirculated = align(self._groups, target, self.config.overflow_policy, self._arrival)
+            if recirculated and self.config.mutant == "merge-overflow":
+                emitted[-1] = emitted[-1] + [p for g in recirculated for p in g]
+            self._dropped = [p for g in recirculated for p in g] if self.config.mutant == "drop-overflow" else []
             self._pending = emitted
         else:
             self._pending = [[] for _ in range(target)]
@@ -276,16 +281,18 @@ class RankProtocol:
                 )
             )
             self._remove(group)
+        for p in self._dropped:  # the drop-overflow mutant: views vanish from B
+            del self._length[p], self._arrival[p], self._arrival_round[p]
+            self._buffer_tokens -= self._tokens.pop(p)
+        self._dropped = []
         self._end_round()
         return steps
 
     # ---- helpers -------------------------------------------------------------------
     def _remove(self, group: list[int]) -> None:
         for p in group:
-            del self._length[p]
+            del self._length[p], self._arrival[p], self._arrival_round[p]
             self._buffer_tokens -= self._tokens.pop(p)
-            del self._arrival[p]
-            del self._arrival_round[p]
             self._emitted.append(p)
 
     def _end_round(self) -> None:

@@ -88,7 +88,7 @@ def simulate(
         consumed = _run_iteration(protos, lengths, toks, schedule, rng, result, quota, limit, observer)
         result.final_states = protos
         result.max_wait_rounds = max([result.max_wait_rounds, *(p.max_wait_rounds for p in protos)])
-        if quota is None:
+        if quota is None or config.mutant == "no-chain":
             break
         fetched_not_emitted = sum(len(p.in_flight) + len(p.buffered) for p in protos)
         emitted_not_consumed = sum(len(p.emitted) for p in protos) - consumed

@@ -22,11 +22,12 @@ CONSTANTS W,          \* number of ranks
           Capacity,   \* output slots per rank per round; 0 = unbounded
           JoinMode,   \* TRUE: join; FALSE: non-join with quota chaining
           Quota,      \* non-join sample quota N
-          Overflow    \* "largest" (paper) or "oldest"
+          Overflow,   \* "largest" (paper) or "oldest"
+          Policy      \* target policy: "paper" (Eq. 3) or "all-ready"
 
 ASSUME W \in Nat \ {0} /\ Len(NV) = W /\ Budget \in Nat \ {0}
 ASSUME BufSize \in Nat \ {0} /\ Depth \in Nat /\ Capacity \in Nat /\ Quota \in Nat
-ASSUME JoinMode \in BOOLEAN /\ Overflow \in {"largest", "oldest"}
+ASSUME JoinMode \in BOOLEAN /\ Overflow \in {"largest", "oldest"} /\ Policy \in {"paper", "all-ready"}
 
 VARIABLES next,     \* R = next[r]..NV[r]
           Q,        \* in flight: set of positions
@@ -83,7 +84,7 @@ PaperTarget(st, G, S) ==
          IN IF m < 1 THEN 1 ELSE m
 AllReadyTarget(st, G, S) ==
     IF \E r \in Ranks : st[r] = "waiting" THEN 0 ELSE PaperTarget(st, G, S)
-Target(st, G, S) == PaperTarget(st, G, S)
+Target(st, G, S) == IF Policy = "all-ready" THEN AllReadyTarget(st, G, S) ELSE PaperTarget(st, G, S)
 
 (* Alignment: split (Alg. 1, upward) and overflow (downward).              *)
 RECURSIVE SplitTo(_, _)

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 
 from odb_core import NonJoinStalledError, ODBConfig, RankProtocol, audit, simulate
-from strategies import cases, lengths_from_seed
+from model_checks.strategies import cases, lengths_from_seed
 
 
 def run(case, observer=None):

@@ -1,4 +1,4 @@
-"""Shared hypothesis strategies: protocol configurations and length lists."""
+"""Hypothesis strategies for random simulation cases (shared by tests/ and the mutant hunts)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,11 @@ class Case:
 
 
 @st.composite
-def cases(draw: st.DrawFn, modes: tuple[str, ...] = ("join", "non-join"), max_n: int = 5000) -> Case:
+def cases(
+    draw: st.DrawFn, modes: tuple[str, ...] = ("join", "non-join"), max_n: int = 5000, need_capacity: bool = False
+) -> Case:
+    """Random W in 1..16, N in 0..max_n (N < W included), budgets, buffers, depths,
+    capacities, modes, policies and schedules."""
     world = draw(st.integers(1, 16))
     n = draw(st.one_of(st.integers(0, world + 1), st.integers(0, max_n)))
     budget = draw(st.sampled_from([1, 7, 64, 1000, 4096, 8192]))
@@ -60,7 +64,7 @@ def cases(draw: st.DrawFn, modes: tuple[str, ...] = ("join", "non-join"), max_n:
         seed=draw(st.integers(0, 2**16)),
         target_policy=draw(st.sampled_from(["paper", "all-ready"])),
         overflow_policy=draw(st.sampled_from(["largest", "oldest"])),
-        output_capacity=draw(st.one_of(st.none(), st.integers(1, 16))),
+        output_capacity=draw(st.integers(1, 16) if need_capacity else st.one_of(st.none(), st.integers(1, 16))),
     )
     schedule = draw(st.sampled_from(SCHEDULES))
     if config.mode == "non-join" and schedule == "empty_rank" and world > 1:

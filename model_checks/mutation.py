@@ -1,0 +1,99 @@
+"""Seeded bugs in odb_core, hunted with hypothesis.
+
+Each mutant (``ODBConfig.mutant``) is the core's twin of a spec mutant
+(spec/cfg/mutant_*.cfg). A hunt searches random simulation cases for one whose
+epoch violates the property the mutant breaks; finding one means the hypothesis
+suite catches the bug.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import HealthCheck, find, settings
+from hypothesis.errors import NoSuchExample
+
+from model_checks.strategies import Case, cases
+from odb_core import ODBConfig, ODBError, RankProtocol, simulate
+from odb_core.config import MUTANTS
+
+#: the property each mutant breaks, as :func:`violations` names them
+BREAKS = {
+    "no-cmin": "capacity",
+    "max-groups": "P2",
+    "drop-overflow": "P1",
+    "early-finish": "P4",
+    "merge-overflow": "P3",
+    "no-chain": "P5",
+}
+#: the cases a hunt draws from: (modes, need_capacity)
+SEARCH = {
+    "no-cmin": (("join", "non-join"), True),
+    "max-groups": (("join", "non-join"), False),
+    "drop-overflow": (("join", "non-join"), True),
+    "early-finish": (("join",), False),
+    "merge-overflow": (("join", "non-join"), True),
+    "no-chain": (("non-join",), False),
+}
+
+
+def violations(case: Case) -> set[str]:
+    """Names of the properties this simulated epoch violates.
+
+    ``P1`` partition at every round, ``P2`` equal item counts (a core that raises
+    on a peer's wrong-length vector counts as P2 caught at the wire), ``P3``
+    budget, ``P4`` join coverage, ``P5`` quota closure, ``capacity`` items per
+    round within the output capacity.
+    """
+    found: set[str] = set()
+
+    def observe(protos: list[RankProtocol]) -> None:
+        for p in protos:
+            parts = [*p.remaining, *p.in_flight, *p.buffered, *p.emitted]
+            if sorted(parts) != list(range(len(p.views))):
+                found.add("P1")
+
+    try:
+        result = simulate(case.lengths, case.world, case.config, case.schedule, observer=observe)
+    except ODBError:
+        return found | {"P2"}
+    cfg = case.config
+    rounds = [Counter((s.iteration, s.round) for s in steps) for steps in result.steps]
+    if any(c != rounds[0] for c in rounds):
+        found.add("P2")
+    if cfg.output_capacity and any(v > cfg.output_capacity for c in rounds for v in c.values()):
+        found.add("capacity")
+    for steps in result.steps:
+        for s in steps:
+            if len(s.lengths) >= 2 and max(s.lengths) * len(s.lengths) > cfg.token_budget:
+                found.add("P3")
+    if cfg.mode == "join":
+        for r, steps in enumerate(result.steps):
+            if Counter(i for s in steps for i in s.identities) != Counter(result.shards[0][r]):
+                found.add("P4")
+    else:
+        n = len(case.lengths)
+        if not n <= result.quota_emitted <= n + result.max_step_samples:
+            found.add("P5")
+    return found
+
+
+def mutated(case: Case, mutant: str) -> Case:
+    """The same case with the core's mutant flag set."""
+    return Case(case.world, case.lengths, ODBConfig(**{**case.config.model_dump(), "mutant": mutant}), case.schedule)
+
+
+def hunt(mutant: str, max_examples: int = 2000) -> Case | None:
+    """A case on which ``mutant`` violates the property it breaks, or None if hypothesis finds none."""
+    if mutant not in MUTANTS:
+        raise ValueError(f"unknown mutant {mutant!r}")
+    modes, need_capacity = SEARCH[mutant]
+    try:
+        return find(
+            cases(modes=modes, max_n=300, need_capacity=need_capacity),
+            lambda c: BREAKS[mutant] in violations(mutated(c, mutant)),
+            settings=settings(max_examples=max_examples, database=None, deadline=None,
+                              suppress_health_check=list(HealthCheck)),
+        )
+    except NoSuchExample:
+        return None
