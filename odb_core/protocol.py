@@ -112,6 +112,7 @@ class RankProtocol:
         self.round = 0
         self.phase = Phase.OPEN
         self._groups: list[list[int]] = []
+        self._candidates: list[list[int]] = []
         self._header: Header | None = None
         self._headers: list[Header] = []
         self._pending: list[list[int]] = []
@@ -143,6 +144,21 @@ class RankProtocol:
         return list(self._emitted)
 
     @property
+    def next_position(self) -> int:
+        """The first position of R (``len(views)`` once the sampler is drained)."""
+        return self._next
+
+    def fetch_room(self) -> int:
+        """D - |Q| - |B|: how many views ``fetch()`` may still move (if R has them)."""
+        return self.config.outstanding_depth - len(self._inflight) - len(self._length)
+
+    @property
+    def candidates(self) -> list[list[int]]:
+        """The candidate groups (positions, short to long) formed by the last
+        ``begin_round`` before alignment; empty if the rank was not ready."""
+        return [list(g) for g in self._candidates]
+
+    @property
     def finished(self) -> bool:
         """R, Q and B are all empty."""
         return self._next == len(self.views) and not self._inflight and not self._length
@@ -151,8 +167,7 @@ class RankProtocol:
     def fetch(self) -> list[int]:
         """Move views R -> Q while |Q| + |B| < D; return the positions to request."""
         self._require(Phase.OPEN, "fetch")
-        room = self.config.outstanding_depth - len(self._inflight) - len(self._length)
-        take = max(0, min(room, len(self.views) - self._next))
+        take = max(0, min(self.fetch_room(), len(self.views) - self._next))
         fetched = list(range(self._next, self._next + take))
         self._next += take
         self._inflight.update(fetched)
@@ -198,6 +213,7 @@ class RankProtocol:
             self._groups = group_sorted(order, self._length, self.config.token_budget)
         else:
             status, self._groups = Status.WAITING, []
+        self._candidates = [list(g) for g in self._groups]
         self._header = Header(
             iteration=self.iteration,
             round=self.round,

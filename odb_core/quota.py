@@ -19,6 +19,7 @@ class QuotaTracker:
         self.quota = quota
         self.emitted = 0
         self.max_step = 0
+        self.last_step = 0
 
     @property
     def reached(self) -> bool:
@@ -29,3 +30,4 @@ class QuotaTracker:
         """Account one consumed step."""
         self.emitted += global_samples
         self.max_step = max(self.max_step, global_samples)
+        self.last_step = global_samples

@@ -16,18 +16,20 @@ from odb_core.sampler import shard_views
 SCHEDULES = ("in_order", "random", "straggler", "empty_rank", "uneven")
 
 
-def shard(order: Sequence[int], world: int, schedule: str, rng: random.Random) -> list[list[int]]:
+def shard(order: Sequence[int], world: int, schedule: str, seed: int) -> list[list[int]]:
     """Split the sampler order into per-rank views.
 
     ``empty_rank`` gives the last rank nothing (DistributedSampler sharding over the
     others); ``uneven`` cuts the order at random points into non-empty shards of
     unequal sizes (when N >= W); the rest shard exactly like
-    DistributedSampler(drop_last=False).
+    DistributedSampler(drop_last=False). The uneven cut points depend only on
+    (seed, N, W), so chained iterations over the same order get the same shards.
     """
     check_schedule(schedule)
     if schedule == "empty_rank" and world > 1:
         return [shard_views(order, world - 1, r) for r in range(world - 1)] + [[]]
     if schedule == "uneven" and 1 < world <= len(order):
+        rng = random.Random(f"odb-uneven:{seed}:{len(order)}:{world}")
         cuts = sorted(rng.sample(range(1, len(order)), world - 1))
         bounds = [0, *cuts, len(order)]
         return [list(order[bounds[r] : bounds[r + 1]]) for r in range(world)]

@@ -50,6 +50,53 @@ class SimResult:
     final_states: list[RankProtocol] = field(default_factory=list)
 
 
+@dataclass
+class Cursor:
+    """Run bookkeeping beside the rank machines, as the spec tracks it (spec/README.md).
+
+    ``quota`` counts consumed global samples (non-join only); ``last_out`` holds, per
+    rank, the view positions of each item of the last gather (``()`` = idle item);
+    ``rounds`` counts emitting rounds in the logical iteration; ``done`` ends the epoch.
+    """
+
+    quota: QuotaTracker | None
+    last_out: list[tuple[tuple[int, ...], ...]]
+    rounds: int = 0
+    done: bool = False
+
+
+Tracer = Callable[[str, list[RankProtocol], Cursor], None]
+
+
+def gather_round(protos: list[RankProtocol], cursor: Cursor) -> tuple[bool, list[list[Step]], int]:
+    """One atomic round for every rank: header gather, align, step gather, emit.
+
+    Returns ``(iteration_ended, consumed_steps_per_rank, consumed_global_samples)``.
+    In non-join mode the trainer consumes steps in order until the quota is reached
+    (P5); the remaining steps of that round are emitted but not consumed.
+    """
+    headers = [p.begin_round() for p in protos]
+    plans = [p.on_headers(headers) for p in protos]
+    cursor.last_out = [()] * len(protos)
+    if plans[0].done or not plans[0].target:
+        return plans[0].done, [[] for _ in protos], 0
+    vectors = [plan.step_vector or [] for plan in plans]
+    emitted = [p.on_steps(vectors) for p in protos]
+    cursor.last_out = [tuple(s.positions for s in steps) for steps in emitted]
+    cursor.rounds += 1
+    take, consumed = plans[0].target, 0
+    if cursor.quota is not None:
+        for i, step in enumerate(emitted[0]):
+            cursor.quota.add(step.global_samples)
+            consumed += step.global_samples
+            if cursor.quota.reached:
+                take, cursor.done = i + 1, True
+                break
+    else:
+        consumed = sum(step.global_samples for step in emitted[0])
+    return False, [steps[:take] for steps in emitted], consumed
+
+
 def simulate(
     lengths: Sequence[int],
     world: int,
@@ -59,6 +106,7 @@ def simulate(
     shuffle: bool = True,
     max_rounds: int | None = None,
     observer: Observer | None = None,
+    tracer: Tracer | None = None,
 ) -> SimResult:
     """Run one epoch: one logical iteration in join mode; in non-join mode, chained
     iterations until the global emitted count reaches N = len(lengths) (P5).
@@ -66,7 +114,9 @@ def simulate(
     ``tokens`` are per-sample loss tokens (default: the lengths). ``max_rounds``
     bounds each logical iteration (default 4 x (largest shard + D) + 8, above the
     P6 bound); exceeding it raises :class:`ProtocolStateError`. ``observer`` is
-    called with every rank's state machine after each round (tests check P1/P2 there).
+    called with every rank's state machine after each round (tests check P1/P2
+    there); ``tracer`` after every state change, labelled like the spec's actions
+    (``Init``, ``Fetch``, ``Drain``, ``Gather``), for trace validation.
     """
     check_schedule(schedule)
     if world < 1:
@@ -78,30 +128,50 @@ def simulate(
         raise ValueError(f"tokens has {len(toks)} entries for {n} samples")
     rng = random.Random(f"odb-schedule:{config.seed}:{schedule}")
     result = SimResult(config, world, list(lengths), schedule, [[] for _ in range(world)], [])
-    quota = QuotaTracker(n) if config.mode == "non-join" else None
-    iteration = 0
-    while quota is None or not quota.reached:
-        shards = shard(permutation(n, config.seed, iteration, shuffle), world, schedule, rng)
+    cursor = Cursor(QuotaTracker(n) if config.mode == "non-join" else None, [()] * world)
+    cursor.done = cursor.quota is not None and cursor.quota.reached
+
+    def start(iteration: int) -> list[RankProtocol]:
+        shards = shard(permutation(n, config.seed, iteration, shuffle), world, schedule, config.seed)
         result.shards.append(shards)
-        protos = [RankProtocol(config, r, world, shards[r], iteration) for r in range(world)]
-        limit = max_rounds or 4 * (max(map(len, shards)) + config.outstanding_depth) + 8
-        consumed = _run_iteration(protos, lengths, toks, schedule, rng, result, quota, limit, observer)
-        result.final_states = protos
+        return [RankProtocol(config, r, world, shards[r], iteration) for r in range(world)]
+
+    def trace(label: str, protos: list[RankProtocol]) -> None:
+        if tracer is not None:
+            tracer(label, protos, cursor)
+
+    iteration = 0
+    protos = start(iteration)
+    result.final_states = protos
+    trace("Init", protos)
+    while not cursor.done:
+        limit = max_rounds or 4 * (max(len(p.views) for p in protos) + config.outstanding_depth) + 8
+        consumed = _run_iteration(protos, lengths, toks, schedule, rng, result, cursor, limit, observer, trace)
         result.max_wait_rounds = max([result.max_wait_rounds, *(p.max_wait_rounds for p in protos)])
-        if quota is None or config.mutant == "no-chain":
+        if cursor.quota is not None:
+            fetched_not_emitted = sum(len(p.in_flight) + len(p.buffered) for p in protos)
+            emitted_not_consumed = sum(len(p.emitted) for p in protos) - consumed
+            result.unemitted_views += fetched_not_emitted + emitted_not_consumed
+        if cursor.done:
             break
-        fetched_not_emitted = sum(len(p.in_flight) + len(p.buffered) for p in protos)
-        emitted_not_consumed = sum(len(p.emitted) for p in protos) - consumed
-        result.unemitted_views += fetched_not_emitted + emitted_not_consumed
-        if not quota.reached and consumed == 0:
-            empty = [r for r, s in enumerate(shards) if not s]
+        # a non-join logical iteration ended before the quota: chain the next one
+        if config.mutant == "no-chain":
+            cursor.done = True
+            trace("Gather", protos)
+            break
+        if consumed == 0:
+            empty = [r for r, p in enumerate(protos) if not p.views]
             raise NonJoinStalledError(
                 f"non-join iteration {iteration} emitted nothing before a rank finished"
                 + (f" (ranks {empty} have no views)" if empty else "")
             )
         iteration += 1
-    if quota is not None:
-        result.quota_emitted, result.max_step_samples = quota.emitted, quota.max_step
+        protos = start(iteration)
+        result.final_states = protos
+        cursor.rounds, cursor.last_out = 0, [()] * world
+        trace("Gather", protos)
+    if cursor.quota is not None:
+        result.quota_emitted, result.max_step_samples = cursor.quota.emitted, cursor.quota.max_step
     result.seconds = time.perf_counter() - started
     return result
 
@@ -113,43 +183,43 @@ def _run_iteration(
     schedule: str,
     rng: random.Random,
     result: SimResult,
-    quota: QuotaTracker | None,
+    cursor: Cursor,
     limit: int,
     observer: Observer | None,
+    trace: Callable[[str, list[RankProtocol]], None],
 ) -> int:
-    """One logical iteration; returns the global samples consumed in it."""
+    """Rounds until the logical iteration ends or the quota is reached; returns the
+    global samples consumed. The ending gather of a non-join iteration is traced by
+    the caller, after it chains the next iteration (one spec step)."""
     world = len(protos)
     pipelines: list[list[int]] = [[] for _ in range(world)]
     consumed = 0
     for _ in range(limit):
         result.rounds += 1
         for r, proto in enumerate(protos):
-            pipelines[r].extend(proto.fetch())
+            fetched = proto.fetch()
+            if fetched:
+                pipelines[r].extend(fetched)
+                trace("Fetch", protos)
             for pos in deliver(schedule, r, world, pipelines[r], rng):
                 ident = proto.views[pos]
                 proto.arrive(pos, lengths[ident], tokens[ident])
-        headers = [p.begin_round() for p in protos]
-        plans = [p.on_headers(headers) for p in protos]
-        result.payload_bytes += payload_bytes(plans[0].target)
-        if plans[0].done or not plans[0].target:
-            if observer is not None:
-                observer(protos)
-            if plans[0].done:
-                return consumed
-            result.skip_rounds += 1
-            continue
-        vectors = [plan.step_vector or [] for plan in plans]
-        emitted = [p.on_steps(vectors) for p in protos]
+                trace("Drain", protos)
+        ended, steps, got = gather_round(protos, cursor)
+        consumed += got
+        result.payload_bytes += payload_bytes(len(cursor.last_out[0]) if cursor.last_out else 0)
         if observer is not None:
             observer(protos)
-        for i in range(plans[0].target):
-            if quota is not None and quota.reached:
-                return consumed
-            for r in range(world):
-                result.steps[r].append(emitted[r][i])
-            consumed += emitted[0][i].global_samples
-            if quota is not None:
-                quota.add(emitted[0][i].global_samples)
-        if quota is not None and quota.reached:
+        if ended:
+            if cursor.quota is None:
+                cursor.done = True
+                trace("Gather", protos)
+            return consumed
+        trace("Gather", protos)
+        if not steps[0] and not cursor.last_out[0]:
+            result.skip_rounds += 1
+        for r in range(world):
+            result.steps[r].extend(steps[r])
+        if cursor.done:
             return consumed
     raise ProtocolStateError(f"logical iteration exceeded {limit} rounds without terminating (P6)")

@@ -1,0 +1,353 @@
+"""Conformance between odb_core and spec/ODB.tla, in both directions.
+
+* State-space equality: for a small scenario, every abstract state the Python core
+  reaches under exhaustive enumeration of its choices (which rank fetches, which
+  in-flight sample arrives, when the gather runs) equals the set of distinct states
+  TLC reports (``-dump dot``), and so do the transition sets.
+* Trace validation: simulator runs on many random small configurations are recorded
+  as sequences of abstract states and replayed by TLC (spec/TraceCheck.tla) as
+  behaviours of the spec, each gather replaying the grouping the core chose;
+  traces of a mutated core must be rejected.
+
+The abstraction map (Python -> TLA+) is :func:`abstract`; spec/README.md lists it.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import re
+import shutil
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from model_checks.tla import SPEC_DIR, TlcRun, sany, tlc
+from odb_core import ODBConfig, RankProtocol
+from odb_core.quota import QuotaTracker
+from odb_core.sampler import permutation
+from odb_core.schedules import SCHEDULES, shard
+from odb_core.simulator import Cursor, gather_round, simulate
+
+Value = Any  # int | bool | str | tuple[Value, ...] | frozenset[Value]
+VARIABLES = ("next", "Q", "B", "E", "consumed", "lastStep", "lastOut", "rounds", "done")
+
+
+# ---- scenarios and TLA+ text ----------------------------------------------------------
+@dataclass(frozen=True)
+class Scenario:
+    """Constants of one model: per-rank view lengths and the protocol parameters."""
+
+    name: str
+    lengths: tuple[tuple[int, ...], ...]
+    budget: int = 10
+    buffer_size: int = 2
+    depth: int = 3
+    capacity: int = 0
+    join: bool = True
+    overflow: str = "largest"
+    policy: str = "paper"
+    mutant: str | None = None
+
+    @property
+    def quota(self) -> int:
+        return sum(map(len, self.lengths))
+
+    def config(self) -> ODBConfig:
+        return ODBConfig(
+            token_budget=self.budget, buffer_size=self.buffer_size, depth=self.depth,
+            mode="join" if self.join else "non-join", output_capacity=self.capacity or None,
+            overflow_policy=self.overflow, target_policy=self.policy, mutant=self.mutant,  # type: ignore[arg-type]
+        )
+
+    def constants(self) -> dict[str, Value]:
+        return {
+            "W": len(self.lengths), "NV": tuple(map(len, self.lengths)), "Length": self.lengths,
+            "Budget": self.budget, "BufSize": self.buffer_size, "Depth": self.depth, "Capacity": self.capacity,
+            "JoinMode": self.join, "Quota": self.quota, "Overflow": self.overflow, "Policy": self.policy,
+        }
+
+
+def to_tla(v: Value) -> str:
+    """TLA+ text of a value (tuples as sequences, frozensets as sets, dicts as records)."""
+    if isinstance(v, bool):
+        return "TRUE" if v else "FALSE"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, str):
+        return '"' + v + '"'
+    if isinstance(v, tuple):
+        return "<<" + ", ".join(map(to_tla, v)) + ">>"
+    if isinstance(v, frozenset):
+        return "{" + ", ".join(map(to_tla, sorted(v))) + "}"
+    if isinstance(v, dict):
+        return "[" + ", ".join(f"{k} |-> {to_tla(x)}" for k, x in v.items()) + "]"
+    raise TypeError(f"no TLA+ form for {v!r}")
+
+
+class _Parser:
+    """Reads the values TLC prints (sequences, sets and a..b intervals, records, integers,
+    booleans, strings)."""
+
+    TOKEN = re.compile(r"\s*(<<|>>|\|->|\.\.|[{}\[\],]|-?\d+|TRUE|FALSE|\"[^\"]*\"|\w+)")
+
+    def __init__(self, text: str) -> None:
+        self.tokens = self.TOKEN.findall(text)
+        self.i = 0
+
+    def take(self) -> str:
+        tok = self.tokens[self.i]
+        self.i += 1
+        return tok
+
+    def items(self, close: str) -> list[Value]:
+        out: list[Value] = []
+        if self.tokens[self.i] == close:
+            self.i += 1
+            return out
+        while True:
+            out.append(self.value())
+            tok = self.take()
+            if tok == close:
+                return out
+            assert tok == ",", f"unexpected {tok!r}"
+
+    def value(self) -> Value:
+        tok = self.take()
+        if tok == "<<":
+            return tuple(self.items(">>"))
+        if tok == "{":
+            return frozenset(self.items("}"))
+        if tok == "[":
+            rec: dict[str, Value] = {}
+            while True:
+                key = self.take()
+                assert self.take() == "|->"
+                rec[key] = self.value()
+                if self.take() == "]":
+                    return tuple(sorted(rec.items()))
+        if tok in ("TRUE", "FALSE"):
+            return tok == "TRUE"
+        if tok.startswith('"'):
+            return tok[1:-1]
+        if self.i < len(self.tokens) and self.tokens[self.i] == "..":  # TLC prints a..b for contiguous sets
+            self.i += 1
+            return frozenset(range(int(tok), int(self.take()) + 1))
+        return int(tok)
+
+
+def parse_state(text: str) -> tuple[Value, ...]:
+    """A TLC state (``/\\ x = v`` lines) as a tuple of values in :data:`VARIABLES` order."""
+    values = {}
+    for line in text.strip().splitlines():
+        m = re.match(r"/\\ (\w+) = (.*)$", line.strip())
+        assert m, f"unexpected state line {line!r}"
+        values[m.group(1)] = _Parser(m.group(2)).value()
+    return tuple(values[v] for v in VARIABLES)
+
+
+# ---- the abstraction map --------------------------------------------------------------
+def abstract(protos: list[RankProtocol], cursor: Cursor) -> tuple[Value, ...]:
+    """The spec's view of the core's state (1-based ranks and positions), :data:`VARIABLES` order."""
+    quota = cursor.quota or QuotaTracker(0)
+    return (
+        tuple(p.next_position + 1 for p in protos),
+        tuple(frozenset(q + 1 for q in p.in_flight) for p in protos),
+        tuple(tuple(b + 1 for b in p.buffered) for p in protos),
+        tuple(frozenset(e + 1 for e in p.emitted) for p in protos),
+        quota.emitted,
+        quota.last_step,
+        tuple(tuple(tuple(x + 1 for x in item) for item in out) for out in cursor.last_out),
+        cursor.rounds,
+        cursor.done,
+    )
+
+
+# ---- exhaustive enumeration of the core ------------------------------------------------
+@dataclass
+class _Node:
+    protos: list[RankProtocol]
+    cursor: Cursor
+    lengths: tuple[tuple[int, ...], ...]
+    mutant: str | None = None
+
+
+def _initial(s: Scenario) -> _Node:
+    cfg = s.config()
+    views = [list(range(len(ls))) for ls in s.lengths]
+    cursor = Cursor(None if s.join else QuotaTracker(s.quota), [()] * len(views))
+    cursor.done = cursor.quota is not None and cursor.quota.reached
+    return _Node([RankProtocol(cfg, r, len(views), views[r]) for r in range(len(views))], cursor, s.lengths, s.mutant)
+
+
+def _successors(node: _Node) -> Iterable[_Node]:
+    if node.cursor.done:
+        yield node  # Terminating
+        return
+    for r, p in enumerate(node.protos):
+        if p.next_position < len(p.views) and p.fetch_room() > 0:
+            nxt = copy.deepcopy(node)
+            nxt.protos[r].fetch()
+            yield nxt
+    for r, p in enumerate(node.protos):
+        for pos in sorted(p.in_flight):
+            nxt = copy.deepcopy(node)
+            nxt.protos[r].arrive(pos, node.lengths[r][pos])
+            yield nxt
+    nxt = copy.deepcopy(node)
+    ended, _, _ = gather_round(nxt.protos, nxt.cursor)
+    if ended:
+        if nxt.cursor.quota is None or nxt.mutant == "no-chain":
+            nxt.cursor.done = True
+        else:  # non-join: chain the next logical iteration over the same views
+            old = nxt.protos
+            nxt.protos = [RankProtocol(p.config, p.rank, p.world, p.views, p.iteration + 1) for p in old]
+            nxt.cursor.rounds, nxt.cursor.last_out = 0, [()] * len(old)
+    yield nxt
+
+
+def enumerate_core(s: Scenario) -> tuple[set[tuple[Value, ...]], set[tuple[tuple[Value, ...], tuple[Value, ...]]]]:
+    """Every abstract state and transition the core reaches in scenario ``s``."""
+    start = _initial(s)
+    first = abstract(start.protos, start.cursor)
+    seen = {first: start}
+    edges: set[tuple[tuple[Value, ...], tuple[Value, ...]]] = set()
+    frontier = [start]
+    while frontier:
+        node = frontier.pop()
+        here = abstract(node.protos, node.cursor)
+        for nxt in _successors(node):
+            there = abstract(nxt.protos, nxt.cursor)
+            edges.add((here, there))
+            if there not in seen:
+                seen[there] = nxt
+                frontier.append(nxt)
+    return set(seen), edges
+
+
+# ---- the same scenario under TLC ---------------------------------------------------------
+def _model_dir(tmp: Path, modules: dict[str, str]) -> None:
+    shutil.copy(SPEC_DIR / "ODB.tla", tmp / "ODB.tla")
+    for name, text in modules.items():
+        (tmp / name).write_text(text)
+
+
+def explore_spec(s: Scenario) -> tuple[TlcRun, set[tuple[Value, ...]], set[tuple[tuple[Value, ...], tuple[Value, ...]]]]:
+    """Run TLC on scenario ``s`` (safety only, so each state is dumped once) and read its graph."""
+    consts = s.constants()
+    module = "---- MODULE Conf ----\nEXTENDS ODB\n" + "".join(
+        f"Conf_{k} == {to_tla(v)}\n" for k, v in consts.items()) + "====\n"
+    cfg = "CONSTANTS\n" + "".join(f"    {k} <- Conf_{k}\n" for k in consts) + "INIT Init\nNEXT Next\n"
+    cfg += "INVARIANTS TypeOK NoLeak DepthBound Lockstep BudgetOK WithinCapacity JoinCoverage QuotaClosure RoundBound\n"
+    with tempfile.TemporaryDirectory(prefix="odb-conf-") as tmpname:
+        tmp = Path(tmpname)
+        _model_dir(tmp, {"Conf.tla": module, "Conf.cfg": cfg})
+        sany("Conf", cwd=tmp)
+        run = tlc("Conf", tmp / "Conf.cfg", cwd=tmp, extra=("-dump", "dot,actionlabels", str(tmp / "graph")))
+        dot = (tmp / "graph.dot").read_text() if (tmp / "graph.dot").exists() else ""
+    states, edges = parse_dot(dot)
+    return run, states, edges
+
+
+def _unescape(label: str) -> str:
+    return re.sub(r'\\(.)', lambda m: "\n" if m.group(1) == "n" else m.group(1), label)
+
+
+def parse_dot(dot: str) -> tuple[set[tuple[Value, ...]], set[tuple[tuple[Value, ...], tuple[Value, ...]]]]:
+    """States and transitions of TLC's ``-dump dot`` output."""
+    nodes: dict[str, tuple[Value, ...]] = {}
+    raw_edges = []
+    for line in dot.splitlines():
+        if m := re.match(r'^(-?\d+) -> (-?\d+) ', line):
+            raw_edges.append((m.group(1), m.group(2)))
+        elif m := re.match(r'^(-?\d+) \[label="(.*)"(,style = filled)?\];?$', line):
+            nodes[m.group(1)] = parse_state(_unescape(m.group(2)))
+    return set(nodes.values()), {(nodes[a], nodes[b]) for a, b in raw_edges}
+
+
+STATE_SPACE_SCENARIOS = (
+    Scenario("join_2x4", ((2, 3, 6, 9), (1, 1, 5, 12))),
+    Scenario("nonjoin_2x4", ((2, 3, 6, 9), (1, 1, 5, 12)), join=False),
+    Scenario("join_3_uneven_cap1_oldest", ((1, 4, 8), (2, 2), (7,)), capacity=1, overflow="oldest"),
+    Scenario("nonjoin_2x3_all_ready_cap1", ((0, 4, 11), (2, 2, 9)), join=False, capacity=1, policy="all-ready"),
+)
+
+
+@dataclass
+class StateSpaceResult:
+    """Python core vs TLC on one scenario."""
+
+    scenario: str
+    python_states: int
+    tlc_states: int
+    python_transitions: int
+    tlc_transitions: int
+    states_equal: bool
+    transitions_equal: bool
+    only_python: list[str] = field(default_factory=list)
+    only_tlc: list[str] = field(default_factory=list)
+
+
+def compare_state_spaces(s: Scenario) -> StateSpaceResult:
+    """Enumerate the core and run TLC on the same constants; compare states and transitions."""
+    py_states, py_edges = enumerate_core(s)
+    run, tlc_states, tlc_edges = explore_spec(s)
+    if run.outcome != "ok":
+        raise RuntimeError(f"TLC on conformance scenario {s.name}: {run.outcome}\n{run.output[-3000:]}")
+    return StateSpaceResult(
+        s.name, len(py_states), len(tlc_states), len(py_edges), len(tlc_edges),
+        py_states == tlc_states, py_edges == tlc_edges,
+        [str(x) for x in list(py_states - tlc_states)[:3]], [str(x) for x in list(tlc_states - py_states)[:3]],
+    )
+
+
+# ---- trace validation ------------------------------------------------------------------
+@dataclass
+class Trace:
+    """One recorded simulator run: its constants, states, and the grouping of each step."""
+
+    scenario: Scenario
+    schedule: str
+    states: list[tuple[Value, ...]]
+    packs: list[tuple[Value, ...]]
+
+
+def record(s: Scenario, dataset: list[int], schedule: str, seed: int) -> Trace:
+    """Run the simulator (unshuffled, so chained iterations see the same shards) on
+    ``dataset``; ``s`` must hold the per-rank lengths of its shards. Records every state change."""
+    states: list[tuple[Value, ...]] = []
+    packs: list[tuple[Value, ...]] = []
+
+    def tracer(label: str, protos: list[RankProtocol], cursor: Cursor) -> None:
+        states.append(abstract(protos, cursor))
+        packs.append(tuple(tuple(tuple(x + 1 for x in g) for g in p.candidates) if label == "Gather" else ()
+                           for p in protos))
+
+    cfg = ODBConfig(**{**s.config().model_dump(), "seed": seed})
+    simulate(dataset, len(s.lengths), cfg, schedule, shuffle=False, tracer=tracer)
+    return Trace(s, schedule, states, packs)
+
+
+def random_scenario(rng: random.Random, mutant: str | None = None) -> tuple[Scenario, list[int], str]:
+    """A small random configuration: the scenario (per-rank lengths of the shards the
+    simulator will make), the dataset lengths, and the schedule."""
+    world = rng.randint(1, 3)
+    n = rng.randint(0, 7)
+    budget = rng.choice([1, 4, 10, 16])
+    buffer_size = rng.randint(1, 3)
+    schedule = rng.choice(SCHEDULES)
+    join = rng.random() < 0.5 if mutant is None else mutant not in ("no-chain",)
+    if not join and schedule == "empty_rank":
+        schedule = "uneven"
+    lengths = [rng.choice([0, rng.randint(1, budget), rng.randint(1, 3 * budget + 1)]) for _ in range(n)]
+    cfg = ODBConfig(token_budget=budget, buffer_size=buffer_size, mode="join" if join else "non-join")
+    shards = shard(permutation(n, 0, 0, shuffle=False), world, schedule, cfg.seed)
+    scenario = Scenario(
+        name="trace", lengths=tuple(tuple(lengths[i] for i in views) for views in shards), budget=budget,
+        buffer_size=buffer_size, depth=buffer_size + rng.randint(0, 2), capacity=rng.choice([0, 0, 1, 2]),
+        join=join, overflow=rng.choice(["largest", "oldest"]), policy=rng.choice(["paper", "all-ready"]),
+        mutant=mutant,
+    )
+    return scenario, lengths, schedule
