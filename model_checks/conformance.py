@@ -50,16 +50,20 @@ class Scenario:
     overflow: str = "largest"
     policy: str = "paper"
     mutant: str | None = None
+    seed: int = 0
+    dataset_size: int | None = None
+    """N, the non-join quota; defaults to the number of views (no sampler padding)."""
 
     @property
     def quota(self) -> int:
-        return sum(map(len, self.lengths))
+        return sum(map(len, self.lengths)) if self.dataset_size is None else self.dataset_size
 
     def config(self) -> ODBConfig:
         return ODBConfig(
             token_budget=self.budget, buffer_size=self.buffer_size, depth=self.depth,
             mode="join" if self.join else "non-join", output_capacity=self.capacity or None,
             overflow_policy=self.overflow, target_policy=self.policy, mutant=self.mutant,  # type: ignore[arg-type]
+            seed=self.seed,
         )
 
     def constants(self) -> dict[str, Value]:
@@ -94,7 +98,7 @@ class _Parser:
     TOKEN = re.compile(r"\s*(<<|>>|\|->|\.\.|[{}\[\],]|-?\d+|TRUE|FALSE|\"[^\"]*\"|\w+)")
 
     def __init__(self, text: str) -> None:
-        self.tokens = self.TOKEN.findall(text)
+        self.tokens: list[str] = self.TOKEN.findall(text)
         self.i = 0
 
     def take(self) -> str:
@@ -177,7 +181,7 @@ class _Node:
 def _initial(s: Scenario) -> _Node:
     cfg = s.config()
     views = [list(range(len(ls))) for ls in s.lengths]
-    cursor = Cursor(None if s.join else QuotaTracker(s.quota), [()] * len(views))
+    cursor = Cursor(None if s.join else QuotaTracker(s.quota), [()] * len(views))  # quota: N
     cursor.done = cursor.quota is not None and cursor.quota.reached
     return _Node([RankProtocol(cfg, r, len(views), views[r]) for r in range(len(views))], cursor, s.lengths, s.mutant)
 
@@ -241,6 +245,7 @@ def explore_spec(s: Scenario) -> tuple[TlcRun, set[tuple[Value, ...]], set[tuple
         f"Conf_{k} == {to_tla(v)}\n" for k, v in consts.items()) + "====\n"
     cfg = "CONSTANTS\n" + "".join(f"    {k} <- Conf_{k}\n" for k in consts) + "INIT Init\nNEXT Next\n"
     cfg += "INVARIANTS TypeOK NoLeak DepthBound Lockstep BudgetOK WithinCapacity JoinCoverage QuotaClosure RoundBound\n"
+    cfg += "    BRuleAdmissible\n"
     with tempfile.TemporaryDirectory(prefix="odb-conf-") as tmpname:
         tmp = Path(tmpname)
         _model_dir(tmp, {"Conf.tla": module, "Conf.cfg": cfg})
@@ -314,23 +319,22 @@ class Trace:
     packs: list[tuple[Value, ...]]
 
 
-def record(s: Scenario, dataset: list[int], schedule: str, seed: int) -> Trace:
+def record(s: Scenario, dataset: list[int], schedule: str) -> Trace:
     """Run the simulator (unshuffled, so chained iterations see the same shards) on
     ``dataset``; ``s`` must hold the per-rank lengths of its shards. Records every state change."""
     states: list[tuple[Value, ...]] = []
     packs: list[tuple[Value, ...]] = []
 
-    def tracer(label: str, protos: list[RankProtocol], cursor: Cursor) -> None:
+    def tracer(label: str, protos: list[RankProtocol], cursor: Cursor, packing: list[list[list[int]]]) -> None:
         states.append(abstract(protos, cursor))
-        packs.append(tuple(tuple(tuple(x + 1 for x in g) for g in p.candidates) if label == "Gather" else ()
-                           for p in protos))
+        packs.append(tuple(tuple(tuple(x + 1 for x in g) for g in groups) for groups in packing)
+                     if packing else tuple(() for _ in protos))
 
-    cfg = ODBConfig(**{**s.config().model_dump(), "seed": seed})
-    simulate(dataset, len(s.lengths), cfg, schedule, shuffle=False, tracer=tracer)
+    simulate(dataset, len(s.lengths), s.config(), schedule, shuffle=False, tracer=tracer)
     return Trace(s, schedule, states, packs)
 
 
-def random_scenario(rng: random.Random, mutant: str | None = None) -> tuple[Scenario, list[int], str]:
+def random_scenario(rng: random.Random, seed: int, mutant: str | None = None) -> tuple[Scenario, list[int], str]:
     """A small random configuration: the scenario (per-rank lengths of the shards the
     simulator will make), the dataset lengths, and the schedule."""
     world = rng.randint(1, 3)
@@ -342,12 +346,93 @@ def random_scenario(rng: random.Random, mutant: str | None = None) -> tuple[Scen
     if not join and schedule == "empty_rank":
         schedule = "uneven"
     lengths = [rng.choice([0, rng.randint(1, budget), rng.randint(1, 3 * budget + 1)]) for _ in range(n)]
-    cfg = ODBConfig(token_budget=budget, buffer_size=buffer_size, mode="join" if join else "non-join")
-    shards = shard(permutation(n, 0, 0, shuffle=False), world, schedule, cfg.seed)
+    shards = shard(permutation(n, seed, 0, shuffle=False), world, schedule, seed)
     scenario = Scenario(
         name="trace", lengths=tuple(tuple(lengths[i] for i in views) for views in shards), budget=budget,
         buffer_size=buffer_size, depth=buffer_size + rng.randint(0, 2), capacity=rng.choice([0, 0, 1, 2]),
         join=join, overflow=rng.choice(["largest", "oldest"]), policy=rng.choice(["paper", "all-ready"]),
-        mutant=mutant,
+        mutant=mutant, seed=seed, dataset_size=n,
     )
     return scenario, lengths, schedule
+
+
+def trace_module(traces: list[Trace]) -> str:
+    """The TraceData module: ODB's variables, the traces (flat tuples, no @@ chains),
+    one constant-level ODB instance per trace, and the InitAt/ReplayAt dispatch."""
+    rows, defs, inits, replays = [], [], [], []
+    subst = ", ".join(f"{k} <- Traces[{{k}}].cfg.{k}" for k in Scenario("x", ()).constants())
+    for k, tr in enumerate(traces, start=1):
+        cfg = to_tla(tr.scenario.constants())
+        states = ", ".join(to_tla(dict(zip(VARIABLES, st))) for st in tr.states)
+        packs = ", ".join(to_tla(p) for p in tr.packs)
+        rows.append(f"[cfg |-> {cfg}, states |-> <<{states}>>, packs |-> <<{packs}>>]")
+        c = f"Traces[{k}].cfg"
+        defs.append(
+            f"O_{k} == INSTANCE ODB WITH {subst.replace('{k}', str(k))}\n"
+            f"Replay_{k}(P) ==\n"
+            f"    \\/ \\E r \\in 1..{c}.W : O_{k}!Fetch(r)\n"
+            f"    \\/ \\E r \\in 1..{c}.W : \\E p \\in 1..{c}.NV[r] : O_{k}!Drain(r, p)\n"
+            f"    \\/ /\\ \\A r \\in 1..{c}.W : IF O_{k}!Status(r) = \"ready\" THEN O_{k}!Admissible(r, P[r]) ELSE P[r] = <<>>\n"
+            f"       /\\ O_{k}!GatherWith(LAMBDA r : P[r])\n"
+        )
+        inits.append(f"k = {k} -> O_{k}!Init")
+        replays.append(f"k = {k} -> Replay_{k}(P)")
+    return (
+        "---- MODULE TraceData ----\nEXTENDS Naturals, Sequences\n"
+        f"VARIABLES {', '.join(VARIABLES)}\n"
+        "Traces == <<\n" + ",\n".join(rows) + "\n>>\n" + "".join(defs)
+        + "InitAt(k) == CASE " + "\n    [] ".join(inits) + "\n"
+        + "ReplayAt(k, P) == CASE " + "\n    [] ".join(replays) + "\n====\n"
+    )
+
+
+def check_traces(traces: list[Trace]) -> tuple[set[int], set[int]]:
+    """Replay traces with TLC; return (accepted, rejected) indices into ``traces``."""
+    if not traces:
+        return set(), set()
+    with tempfile.TemporaryDirectory(prefix="odb-trace-") as tmpname:
+        tmp = Path(tmpname)
+        _model_dir(tmp, {"TraceData.tla": trace_module(traces), "TraceCheck.cfg": "INIT Init\nNEXT Next\n"})
+        shutil.copy(SPEC_DIR / "TraceCheck.tla", tmp / "TraceCheck.tla")
+        sany("TraceCheck", cwd=tmp)
+        run = tlc("TraceCheck", tmp / "TraceCheck.cfg", cwd=tmp, extra=("-dump", str(tmp / "states")))
+        if run.outcome != "ok":
+            raise RuntimeError(f"TLC trace check: {run.outcome}\n{run.output[-3000:]}")
+        dump = (tmp / "states.dump").read_text()
+    ends: dict[int, set[int]] = {}
+    for block in dump.split("State ")[1:]:
+        fields = dict(re.findall(r"/\\ (t|i) = (\d+)", block))
+        ends.setdefault(int(fields["t"]) - 1, set()).add(int(fields["i"]))
+    accepted = {k for k, seen in ends.items() if len(traces[k].states) in seen and 0 not in seen}
+    rejected = {k for k in range(len(traces)) if k not in accepted}
+    return accepted, rejected
+
+
+#: mutants whose runs complete and can be replayed; max-groups trips the core's own
+#: wire check (a peer's step vector has the wrong length) before the bad step is traced.
+TRACEABLE_MUTANTS = ("no-cmin", "drop-overflow", "early-finish", "merge-overflow", "no-chain")
+
+
+def clean_traces(count: int, seed: int = 0) -> list[Trace]:
+    """``count`` traces of the unmutated core on random small configurations."""
+    rng = random.Random(f"odb-traces:{seed}")
+    return [record(*random_scenario(rng, k)) for k in range(count)]
+
+
+def mutant_traces(per_mutant: int, seed: int = 0, tries: int = 4000) -> dict[str, list[Trace]]:
+    """Per traceable mutant, traces on which the mutation changed the behaviour
+    (the mutated run's trace differs from the clean run's on the same inputs)."""
+    rng = random.Random(f"odb-mutant-traces:{seed}")
+    out: dict[str, list[Trace]] = {}
+    for mutant in TRACEABLE_MUTANTS:
+        found: list[Trace] = []
+        for k in range(tries):
+            if len(found) == per_mutant:
+                break
+            scenario, data, schedule = random_scenario(rng, k, mutant)
+            bad = record(scenario, data, schedule)
+            good = record(Scenario(**{**scenario.__dict__, "mutant": None}), data, schedule)
+            if bad.states != good.states:
+                found.append(bad)
+        out[mutant] = found
+    return out

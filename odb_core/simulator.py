@@ -65,7 +65,9 @@ class Cursor:
     done: bool = False
 
 
-Tracer = Callable[[str, list[RankProtocol], Cursor], None]
+Packing = list[list[list[int]]]
+"""Per rank, the candidate groups (view positions) a gather used; [] for other steps."""
+Tracer = Callable[[str, list[RankProtocol], Cursor, Packing], None]
 
 
 def gather_round(protos: list[RankProtocol], cursor: Cursor) -> tuple[bool, list[list[Step]], int]:
@@ -136,9 +138,9 @@ def simulate(
         result.shards.append(shards)
         return [RankProtocol(config, r, world, shards[r], iteration) for r in range(world)]
 
-    def trace(label: str, protos: list[RankProtocol]) -> None:
+    def trace(label: str, protos: list[RankProtocol], packing: Packing | None = None) -> None:
         if tracer is not None:
-            tracer(label, protos, cursor)
+            tracer(label, protos, cursor, packing or [])
 
     iteration = 0
     protos = start(iteration)
@@ -155,9 +157,10 @@ def simulate(
         if cursor.done:
             break
         # a non-join logical iteration ended before the quota: chain the next one
+        packing = [p.candidates for p in protos]
         if config.mutant == "no-chain":
             cursor.done = True
-            trace("Gather", protos)
+            trace("Gather", protos, packing)
             break
         if consumed == 0:
             empty = [r for r, p in enumerate(protos) if not p.views]
@@ -169,7 +172,7 @@ def simulate(
         protos = start(iteration)
         result.final_states = protos
         cursor.rounds, cursor.last_out = 0, [()] * world
-        trace("Gather", protos)
+        trace("Gather", protos, packing)
     if cursor.quota is not None:
         result.quota_emitted, result.max_step_samples = cursor.quota.emitted, cursor.quota.max_step
     result.seconds = time.perf_counter() - started
@@ -186,7 +189,7 @@ def _run_iteration(
     cursor: Cursor,
     limit: int,
     observer: Observer | None,
-    trace: Callable[[str, list[RankProtocol]], None],
+    trace: Callable[[str, list[RankProtocol], Packing | None], None],
 ) -> int:
     """Rounds until the logical iteration ends or the quota is reached; returns the
     global samples consumed. The ending gather of a non-join iteration is traced by
@@ -200,11 +203,11 @@ def _run_iteration(
             fetched = proto.fetch()
             if fetched:
                 pipelines[r].extend(fetched)
-                trace("Fetch", protos)
+                trace("Fetch", protos, None)
             for pos in deliver(schedule, r, world, pipelines[r], rng):
                 ident = proto.views[pos]
                 proto.arrive(pos, lengths[ident], tokens[ident])
-                trace("Drain", protos)
+                trace("Drain", protos, None)
         ended, steps, got = gather_round(protos, cursor)
         consumed += got
         result.payload_bytes += payload_bytes(len(cursor.last_out[0]) if cursor.last_out else 0)
@@ -213,9 +216,9 @@ def _run_iteration(
         if ended:
             if cursor.quota is None:
                 cursor.done = True
-                trace("Gather", protos)
+                trace("Gather", protos, [p.candidates for p in protos])
             return consumed
-        trace("Gather", protos)
+        trace("Gather", protos, [p.candidates for p in protos])
         if not steps[0] and not cursor.last_out[0]:
             result.skip_rounds += 1
         for r in range(world):

@@ -1,6 +1,7 @@
 """The ``odb`` command line.
 
-``odb simulate`` drives the in-process simulator of :mod:`odb_core` (no torch import).
+``odb simulate`` drives the in-process simulator of :mod:`odb_core`; ``odb check``
+runs the model checks of :mod:`model_checks`. Neither imports torch.
 """
 
 from __future__ import annotations
@@ -103,11 +104,35 @@ def read_lengths(path: str | Path) -> list[int]:
     return out
 
 
+def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("check", help="model-check the spec with TLC, hunt mutants, check core/spec conformance")
+    p.add_argument("--deep", action="store_true", help="also run the deep suite (larger constants, minutes)")
+    p.add_argument("--select", default="*", help="only configurations whose name matches this glob")
+    p.add_argument("--traces", type=int, default=520, help="simulator traces to replay under TLC (default 520)")
+    p.add_argument("--mutant-traces", type=int, default=20, help="traces per mutant that must be rejected")
+    p.add_argument("--hunt-examples", type=int, default=2000, help="hypothesis examples per mutant hunt (0: skip)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_check)
+
+
+def _check(args: argparse.Namespace) -> int:
+    from model_checks.report import check
+
+    report = check(deep=args.deep, select=args.select, traces=args.traces, mutant_traces_each=args.mutant_traces,
+                   hunt_examples=args.hunt_examples, progress=not args.json)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print("odb check:", "all checks passed" if report["ok"] else "FAILED", f"in {report['seconds']}s")
+    return 0 if report["ok"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``odb`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="odb", description="Online Dynamic Batching: tools and demos.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_simulate(sub)
+    _add_check(sub)
     return parser
 
 

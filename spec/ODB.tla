@@ -74,6 +74,16 @@ BRule(r) == LET order == SortSeq(B[r], LAMBDA a, b : ShorterFirst(r, a, b))
             IN Reverse(Walk(r, order, Len(order), 1))
 Packing(r) == BRule(r)
 
+(* A packing of rank r's buffer is admissible if it partitions B[r] into   *)
+(* non-empty groups and every group of >= 2 samples is within the budget.  *)
+(* Trace validation replays the core's recorded packing under this check;  *)
+(* BRuleAdmissible checks the B(l) rule is one such packing.               *)
+MaxLen(r, g) == Max({Length[r][p] : p \in Range(g)})
+Admissible(r, gs) ==
+    /\ \A k \in DOMAIN gs : Len(gs[k]) >= 1 /\ (Len(gs[k]) >= 2 => MaxLen(r, gs[k]) * Len(gs[k]) <= Budget)
+    /\ SumSeq([k \in DOMAIN gs |-> Len(gs[k])]) = Len(B[r])
+    /\ UNION {Range(g) : g \in Range(gs)} = Range(B[r])
+
 (* Target policies over the gathered statuses, group and sample counts.    *)
 Active(st) == {r \in Ranks : st[r] = "ready"}
 PaperTarget(st, G, S) ==
@@ -240,11 +250,12 @@ DepthBound == \A r \in Ranks : Cardinality(Q[r]) + Len(B[r]) <= Depth
 Lockstep == \A r, s \in Ranks : Len(lastOut[r]) = Len(lastOut[s])
 
 \* P3 Budget: no emitted group of >= 2 samples exceeds L_max.
-MaxLen(r, g) == Max({Length[r][p] : p \in Range(g)})
 BudgetOK == \A r \in Ranks : \A i \in DOMAIN lastOut[r] :
                 Len(lastOut[r][i]) >= 2 => MaxLen(r, lastOut[r][i]) * Len(lastOut[r][i]) <= Budget
 
 WithinCapacity == Capacity > 0 => \A r \in Ranks : Len(lastOut[r]) <= Capacity
+
+BRuleAdmissible == \A r \in Ranks : Status(r) = "ready" => Admissible(r, BRule(r))
 
 \* P4 Join coverage: at termination every view was emitted.
 JoinCoverage == (JoinMode /\ done) => \A r \in Ranks : E[r] = Views(r)

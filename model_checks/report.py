@@ -1,0 +1,97 @@
+"""``odb check``: SANY and TLC on every configuration, mutants, and conformance.
+
+Exits non-zero when any configuration does not produce its expected outcome, a
+mutant survives TLC or hypothesis, a clean trace is rejected or a mutant trace
+accepted, or a state space differs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+from typing import Any
+
+from model_checks import conformance
+from model_checks.mutation import hunt
+from model_checks.suites import configs, run_config
+from model_checks.tla import sany
+from odb_core.config import MUTANTS
+
+#: traces per TLC run (amortises the JVM start; one TraceData module each)
+TRACE_BATCH = 260
+#: which spec mutant configuration matches each core mutant flag
+SPEC_MUTANT = {m: "mutant_" + m.replace("-", "_") for m in MUTANTS}
+
+
+def check(
+    deep: bool = False,
+    select: str = "*",
+    traces: int = 520,
+    mutant_traces_each: int = 20,
+    hunt_examples: int = 2000,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Run the model checks; return the ``odb check --json`` object (``ok`` says all passed)."""
+    def say(msg: str) -> None:
+        if progress:
+            print(msg, flush=True)
+
+    started = time.perf_counter()
+    sany("MC")
+    kinds = ("quick", "sanity", "mutant") + (("deep",) if deep else ())
+    results = []
+    for path in configs(kinds):
+        if fnmatch.fnmatch(path.stem, select):
+            res = run_config(path)
+            say(f"  {res.name}: {res.run.outcome} ({res.run.distinct_states} states, {res.run.seconds:.1f}s)"
+                f"{'' if res.passed else '  <-- expected ' + res.expected}")
+            results.append(res)
+    by_name = {r.name: r for r in results}
+
+    mutants = []
+    for m in MUTANTS:
+        spec_cfg = by_name.get(SPEC_MUTANT[m])
+        caught_hyp = hunt(m, hunt_examples) is not None if hunt_examples else None
+        mutants.append({
+            "name": m,
+            "caught_by_tlc": None if spec_cfg is None else spec_cfg.passed,
+            "caught_by_hypothesis": caught_hyp,
+            "breaks": spec_cfg.expected if spec_cfg else None,
+        })
+        say(f"  mutant {m}: tlc={mutants[-1]['caught_by_tlc']} hypothesis={caught_hyp}")
+
+    spaces = [conformance.compare_state_spaces(s) for s in conformance.STATE_SPACE_SCENARIOS]
+    for sp in spaces:
+        say(f"  state space {sp.scenario}: {sp.python_states} vs {sp.tlc_states} states, "
+            f"{sp.python_transitions} vs {sp.tlc_transitions} transitions")
+    clean = conformance.clean_traces(traces)
+    accepted: set[int] = set()
+    for lo in range(0, len(clean), TRACE_BATCH):
+        acc, _ = conformance.check_traces(clean[lo : lo + TRACE_BATCH])
+        accepted |= {lo + k for k in acc}
+    bad = [t for ts in conformance.mutant_traces(mutant_traces_each).values() for t in ts]
+    _, rejected = conformance.check_traces(bad)
+    say(f"  traces: {len(accepted)}/{len(clean)} accepted; mutant traces rejected {len(rejected)}/{len(bad)}")
+
+    conf = {
+        "traces_checked": len(clean),
+        "traces_accepted": len(accepted),
+        "mutant_traces": len(bad),
+        "mutant_traces_rejected": len(rejected),
+        "state_space_equal": all(s.states_equal and s.transitions_equal for s in spaces),
+        "state_spaces": [s.__dict__ for s in spaces],
+    }
+    ok = (
+        all(r.passed for r in results)
+        and all(m["caught_by_tlc"] is not False and m["caught_by_hypothesis"] is not False for m in mutants)
+        and conf["traces_accepted"] == conf["traces_checked"]
+        and conf["mutant_traces_rejected"] == conf["mutant_traces"]
+        and conf["state_space_equal"]
+    )
+    return {
+        "ok": ok,
+        "configs": [r.to_json() for r in results],
+        "mutants": mutants,
+        "conformance": conf,
+        "seconds": round(time.perf_counter() - started, 1),
+    }

@@ -1,0 +1,87 @@
+"""TLC on the spec, seeded bugs, and conformance between odb_core and the spec (CI).
+
+Every quick configuration must pass all invariants and Termination; every sanity
+configuration must FAIL Termination (the restated fairness is not vacuous); every
+mutant configuration must FAIL the invariant it targets; the core's reachable
+abstract states and transitions must equal TLC's; simulator traces must replay as
+spec behaviours and mutated-core traces must not.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from model_checks import conformance
+from model_checks.report import SPEC_MUTANT, TRACE_BATCH
+from model_checks.suites import configs, run_config
+from model_checks.tla import sany
+from odb_core.config import MUTANTS
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_spec_parses():
+    assert "Semantic processing of module MC" in sany("MC")
+
+
+@pytest.mark.parametrize("path", configs(("quick", "sanity", "mutant")), ids=lambda p: p.stem)
+def test_tlc_configuration_gives_expected_outcome(path):
+    result = run_config(path)
+    assert result.run.distinct_states > 0, result.run.output[-2000:]
+    assert result.passed, f"{path.stem}: expected {result.expected}, TLC said {result.run.outcome}\n{result.run.output[-3000:]}"
+
+
+def test_every_core_mutant_has_a_spec_mutant():
+    names = {p.stem for p in configs(("mutant",))}
+    assert {SPEC_MUTANT[m] for m in MUTANTS} == names
+
+
+@pytest.mark.parametrize("scenario", conformance.STATE_SPACE_SCENARIOS, ids=lambda s: s.name)
+def test_core_and_spec_state_spaces_are_equal(scenario):
+    result = conformance.compare_state_spaces(scenario)
+    assert result.python_states > 100 or scenario.name.endswith("cap1")
+    assert result.states_equal, (result.only_python, result.only_tlc)
+    assert result.transitions_equal
+
+
+def test_state_space_comparison_detects_a_mutated_core():
+    mutated = conformance.Scenario("m", ((2, 3, 6), (1, 5, 12)), capacity=1, mutant="drop-overflow")
+    result = conformance.compare_state_spaces(mutated)
+    assert not result.states_equal
+
+
+def test_simulator_traces_replay_as_spec_behaviours():
+    traces = conformance.clean_traces(520)
+    schedules = {t.schedule for t in traces}
+    modes = {t.scenario.join for t in traces}
+    assert len(schedules) == 5 and modes == {True, False}
+    for lo in range(0, len(traces), TRACE_BATCH):
+        accepted, rejected = conformance.check_traces(traces[lo : lo + TRACE_BATCH])
+        assert not rejected, [(traces[lo + k].scenario, traces[lo + k].schedule) for k in sorted(rejected)[:3]]
+
+
+def test_mutated_core_traces_are_rejected():
+    per_mutant = conformance.mutant_traces(10)
+    assert all(len(v) == 10 for v in per_mutant.values()), {k: len(v) for k, v in per_mutant.items()}
+    traces = [t for ts in per_mutant.values() for t in ts]
+    accepted, _ = conformance.check_traces(traces)
+    assert not accepted, [traces[k].scenario.mutant for k in accepted]
+
+
+def test_odb_check_json_shape():
+    out = subprocess.run(
+        [sys.executable, "-m", "odb_torch.cli", "check", "--json", "--select", "mutant_no_chain", "--traces", "12",
+         "--mutant-traces", "2", "--hunt-examples", "500"],
+        capture_output=True, text=True, timeout=600,
+    )
+    report = json.loads(out.stdout)
+    assert out.returncode == 0 and report["ok"], out.stderr[-2000:]
+    (cfg,) = report["configs"]
+    assert {"name", "mode", "world", "distinct_states", "depth", "seconds", "result"} <= set(cfg)
+    assert cfg["name"] == "mutant_no_chain" and cfg["result"] == "invariant:QuotaClosure"
+    assert {m["name"] for m in report["mutants"]} == set(MUTANTS)
+    assert all({"name", "caught_by_tlc", "caught_by_hypothesis"} <= set(m) for m in report["mutants"])
+    assert {"traces_checked", "traces_accepted", "mutant_traces_rejected", "state_space_equal"} <= set(report["conformance"])
+    assert report["conformance"]["traces_accepted"] == 12 and report["conformance"]["state_space_equal"]
