@@ -7,11 +7,15 @@ Properties P1-P8 are defined in the project's DESIGN notes and cited in docstrin
 from odb_core.audit import Audit, audit
 from odb_core.config import ODBConfig
 from odb_core.errors import (
+    CollateFnError,
+    CollateProcessError,
     InvalidSampleError,
     NonJoinStalledError,
     ODBError,
+    PeerError,
     PeerInconsistencyError,
     ProtocolStateError,
+    SampleLoadError,
     WireFormatError,
 )
 from odb_core.grouping import batch_size_for, form_groups
@@ -24,6 +28,10 @@ from odb_core.wire import Header, Status
 
 __all__ = [
     "Audit",
+    "CollateFnError",
+    "CollateProcessError",
+    "PeerError",
+    "SampleLoadError",
     "Header",
     "InvalidSampleError",
     "NonJoinStalledError",

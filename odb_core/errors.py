@@ -37,3 +37,19 @@ class NonJoinStalledError(ODBError, RuntimeError):
     Happens when some rank's shard is empty: it reports ``finished`` at once and, in
     non-join mode, ends every logical iteration before anything is emitted (P6 would fail).
     """
+
+
+class SampleLoadError(ODBError):
+    """Loading a sample failed (``__getitem__`` raised or a worker died); names the index and rank."""
+
+
+class CollateFnError(ODBError):
+    """The user's ``collate_fn`` raised; names the dataset indices of the group and the rank."""
+
+
+class CollateProcessError(ODBError):
+    """A rank's collate process died or could not start; names the rank and exit code."""
+
+
+class PeerError(ODBError):
+    """A collective of the collate group failed: a peer rank died, or a straggler exceeded the timeout."""

@@ -1,5 +1,28 @@
 """ODB's PyTorch adapter: the production DataLoader over :mod:`odb_core`.
 
-The loader itself lands with the odb_torch issue; this package already hosts the
-``odb`` command line (``odb_torch.cli``), whose core-only commands never import torch.
+``from odb_torch import ODBDataLoader``. Importing this package does not import
+torch until the loader is used, so the ``odb`` command's core-only subcommands
+stay light.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from odb_torch.loader import ODBDataLoader
+    from odb_torch.step_info import StepInfo
+
+__all__ = ["ODBDataLoader", "StepInfo"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ODBDataLoader":
+        from odb_torch.loader import ODBDataLoader
+
+        return ODBDataLoader
+    if name == "StepInfo":
+        from odb_torch.step_info import StepInfo
+
+        return StepInfo
+    raise AttributeError(name)

@@ -1,0 +1,222 @@
+"""The per-rank collate process: drives :class:`odb_core.RankProtocol` over a Gloo group.
+
+It owns a process group of its own (isolated from the trainer's NCCL or Gloo group),
+a plain :class:`torch.utils.data.DataLoader` whose workers load single samples in
+sampler order, and the user's ``collate_fn``. Batches and their :class:`StepInfo` go
+to the trainer process through a bounded queue; errors go the same way as a typed
+record, so the trainer raises instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+from odb_core import ODBConfig, ODBError, RankProtocol
+from odb_core.errors import CollateFnError, InvalidSampleError, PeerError, SampleLoadError
+from odb_torch.step_info import StepInfo
+
+
+def default_length(sample: Any) -> int:
+    """``len(sample["input_ids"])``."""
+    return len(sample["input_ids"])
+
+
+def default_loss_tokens(sample: Any, length: int) -> int:
+    """Labels != -100 when the sample has ``labels``, else its length."""
+    if isinstance(sample, dict) and "labels" in sample:
+        labels = sample["labels"]
+        if isinstance(labels, torch.Tensor):
+            return int((labels != -100).sum())
+        return sum(1 for x in labels if x != -100)
+    return length
+
+
+def _identity(sample: Any) -> Any:
+    return sample
+
+
+@dataclass
+class CollateSpec:
+    """Everything the collate process needs (pickled to it under spawn)."""
+
+    dataset: Dataset[Any]
+    collate_fn: Callable[[list[Any]], Any]
+    length_fn: Callable[[Any], int] | None
+    loss_tokens_fn: Callable[[Any], int] | None
+    config: ODBConfig
+    rank: int
+    world: int
+    init_method: str
+    timeout: float
+    num_workers: int
+    prefetch_factor: int | None
+    worker_start_method: str | None
+
+
+class _ParentGone(Exception):
+    """The trainer process is gone: exit quietly rather than linger as an orphan."""
+
+
+def _put(out: Any, item: Any, parent: int) -> None:
+    while True:
+        try:
+            out.put(item, timeout=1.0)
+            return
+        except queue.Full:
+            if os.getppid() != parent:
+                raise _ParentGone from None
+
+
+def _await_stop(ctrl: Any, parent: int) -> None:
+    while True:
+        try:
+            if ctrl.get(timeout=1.0)[0] == "stop":
+                return
+        except queue.Empty:
+            if os.getppid() != parent:
+                return
+
+
+def _views(spec: CollateSpec, sampler: Any, epoch: int) -> list[int]:
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    return [int(i) for i in sampler]
+
+
+def _all_gather(values: list[int], world: int, what: str, rank: int) -> list[list[int]]:
+    mine = torch.tensor(values, dtype=torch.int64)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    try:
+        dist.all_gather(out, mine)
+    except Exception as exc:  # gloo raises RuntimeError subclasses on peer death and timeouts
+        raise PeerError(f"rank {rank}: the {what} all_gather of the collate group failed "
+                        f"(a peer rank died or exceeded the timeout): {exc}") from None
+    return [t.tolist() for t in out]
+
+
+def _measure(spec: CollateSpec, sample: Any, index: int) -> tuple[int, int]:
+    try:
+        length = (spec.length_fn or default_length)(sample)
+    except Exception as exc:
+        raise InvalidSampleError(f"rank {spec.rank}: sample {index} has no length "
+                                 f"({type(exc).__name__}: {exc}); pass length_fn") from None
+    if spec.loss_tokens_fn is not None:
+        tokens = spec.loss_tokens_fn(sample)
+    else:
+        tokens = default_loss_tokens(sample, length)
+    return int(length) if isinstance(length, torch.Tensor) else length, int(tokens)
+
+
+def run_epoch(spec: CollateSpec, sampler: Any, epoch: int, out: Any, parent: int) -> None:
+    """One epoch of the protocol; puts ("step", batch, StepInfo) items on ``out``."""
+    views = _views(spec, sampler, epoch)
+    proto = RankProtocol(spec.config, spec.rank, spec.world, views, iteration=epoch)
+    loader = DataLoader(
+        spec.dataset, sampler=views, batch_size=None, collate_fn=_identity, num_workers=spec.num_workers,
+        prefetch_factor=spec.prefetch_factor if spec.num_workers else None,
+        multiprocessing_context=spec.worker_start_method if spec.num_workers else None,
+    )
+    it = iter(loader)
+    samples: dict[int, Any] = {}
+    received = 0
+    template: Any = None
+    step = 0
+    while True:
+        proto.fetch()
+        while len(samples) < spec.config.buffer_size and received < proto.next_position:
+            index = views[received]
+            try:
+                sample = next(it)
+            except Exception as exc:
+                raise SampleLoadError(f"rank {spec.rank}: loading dataset index {index} failed: "
+                                      f"{type(exc).__name__}: {exc}") from None
+            length, tokens = _measure(spec, sample, index)
+            proto.arrive(received, length, tokens)
+            samples[received] = sample
+            template = sample if template is None else template
+            received += 1
+            proto.fetch()
+        plan = proto.on_headers(_all_gather(proto.begin_round(), spec.world, "header", spec.rank))
+        if plan.done:
+            return
+        if plan.step_vector is None:
+            continue
+        steps = proto.on_steps(_all_gather(plan.step_vector, spec.world, "step", spec.rank))
+        for s in steps:
+            if s.is_idle:
+                if template is None:
+                    template = spec.dataset[0]
+                group = [template]
+            else:
+                group = [samples.pop(p) for p in s.positions]
+            try:
+                batch = spec.collate_fn(group)
+            except Exception as exc:
+                raise CollateFnError(f"rank {spec.rank}: collate_fn failed on dataset indices "
+                                     f"{list(s.identities)}: {type(exc).__name__}: {exc}") from None
+            info = StepInfo(
+                epoch=epoch, step=step, is_idle=s.is_idle, local_samples=s.local_samples,
+                global_samples=s.global_samples, local_tokens=s.local_tokens, global_tokens=s.global_tokens,
+                loss_scale=s.loss_scale, weight_num=s.weight.numerator, weight_den=s.weight.denominator,
+                over_budget=s.over_budget, indices=s.identities,
+            )
+            _put(out, ("step", batch, info), parent)
+            step += 1
+
+
+def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any) -> None:
+    """Process entry point: join the collate group, then serve epochs until told to stop.
+
+    Exits when told to stop, on any error (after reporting it on ``out``), or when
+    its parent (the trainer process) is gone.
+    """
+    parent = os.getppid()
+    try:
+        dist.init_process_group("gloo", init_method=spec.init_method, rank=spec.rank, world_size=spec.world,
+                                timeout=timedelta(seconds=spec.timeout))
+    except Exception as exc:
+        out.put(("error", "PeerError", f"rank {spec.rank}: collate group rendezvous at {spec.init_method} "
+                 f"failed: {type(exc).__name__}: {exc}"))
+        return
+    try:
+        while True:
+            try:
+                cmd = ctrl.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent:
+                    break
+                continue
+            if cmd[0] == "stop":
+                break
+            run_epoch(spec, sampler, cmd[1], out, parent)
+            _put(out, ("end", cmd[1]), parent)
+    except _ParentGone:
+        pass
+    except BaseException as exc:  # anything reaches the trainer, typed
+        if isinstance(exc, ODBError):
+            record = ("error", type(exc).__name__, str(exc))
+        else:
+            record = ("error", "CollateProcessError",
+                      f"rank {spec.rank}: collate process crashed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        try:
+            _put(out, record, parent)
+            # Batches already queued share their tensors through this process: stay
+            # until the trainer has read the error and says stop (or is gone).
+            _await_stop(ctrl, parent)
+        except _ParentGone:
+            pass
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass

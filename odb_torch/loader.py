@@ -1,0 +1,203 @@
+"""``ODBDataLoader``: the drop-in loader that yields token-budgeted, rank-aligned batches."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+from torch.utils.data import Dataset, DistributedSampler, default_collate
+
+from odb_core import ODBConfig
+from odb_core import errors as odb_errors
+from odb_core.errors import CollateProcessError, PeerError
+from odb_torch.collate_process import CollateSpec, collate_main
+from odb_torch.step_info import StepInfo
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ODBDataLoader:
+    """Online Dynamic Batching over a map-style dataset, under DDP or alone.
+
+    Each yielded batch is exactly what ``collate_fn`` returned for one token-budgeted
+    group (P3); every rank yields the same number of batches per epoch (P2), idle
+    ranks getting zero-weight batches (``step_info.is_idle``, ``loss_scale == 0``)
+    unless ``skip_idle=True`` (for trainers using torch's ``Join``). In join mode
+    every sampler view is yielded once per epoch (P4). Multiply the local mean loss
+    by ``loader.step_info.loss_scale`` before ``backward()`` for the exact per-token
+    gradient (P7).
+
+    Args:
+        dataset: a map-style dataset (picklable: it is sent to the collate process).
+        token_budget: L_max, padded tokens per batch.
+        collate_fn: turns a list of samples into a batch (default ``default_collate``).
+        sampler: this rank's sampler (a ``DistributedSampler`` or compatible, with
+            ``set_epoch``); default ``DistributedSampler(drop_last=False)``.
+        length_fn: a sample's length (default ``len(sample["input_ids"])``).
+        loss_tokens_fn: a sample's loss tokens (default: labels != -100 if it has
+            labels, else its length).
+        init_method: rendezvous of the collate group (default ``tcp://MASTER_ADDR:
+            MASTER_PORT+1``, or a free local port when alone; env ``ODB_COLLATE_PORT``).
+        timeout: seconds before a silent collate process or peer is an error.
+        start_method: how the collate process starts: spawn, forkserver or fork.
+        rank, world_size: default from the initialised process group, else env.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        *,
+        token_budget: int,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        sampler: Any = None,
+        shuffle: bool = True,
+        num_workers: int = 4,
+        prefetch_factor: int | None = 2,
+        buffer_size: int = 1024,
+        depth: int | None = None,
+        mode: str = "join",
+        loss_scaling: str = "exact",
+        target_policy: str = "paper",
+        seed: int = 0,
+        length_fn: Callable[[Any], int] | None = None,
+        loss_tokens_fn: Callable[[Any], int] | None = None,
+        skip_idle: bool = False,
+        init_method: str | None = None,
+        timeout: float = 300.0,
+        start_method: str = "spawn",
+        rank: int | None = None,
+        world_size: int | None = None,
+        queue_size: int = 8,
+    ) -> None:
+        self.config = ODBConfig(
+            token_budget=token_budget, buffer_size=buffer_size, depth=depth, mode=mode,  # type: ignore[arg-type]
+            loss_scaling=loss_scaling, target_policy=target_policy, seed=seed,  # type: ignore[arg-type]
+        )
+        if self.config.mode != "join":
+            raise NotImplementedError("ODBDataLoader supports mode='join' so far; non-join chaining is in odb_core")
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
+        if world_size is None:
+            world_size = (dist.get_world_size() if dist.is_available() and dist.is_initialized()
+                          else int(os.environ.get("WORLD_SIZE", 1)))
+        self.rank, self.world_size = rank, world_size
+        if init_method is None:
+            if "ODB_COLLATE_PORT" in os.environ or world_size > 1:
+                port = int(os.environ.get("ODB_COLLATE_PORT", int(os.environ.get("MASTER_PORT", 29500)) + 1))
+                init_method = f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}"
+            else:
+                init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.sampler = sampler if sampler is not None else DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
+        self._spec = CollateSpec(
+            dataset=dataset, collate_fn=collate_fn or default_collate, length_fn=length_fn,
+            loss_tokens_fn=loss_tokens_fn, config=self.config, rank=rank, world=world_size,
+            init_method=init_method, timeout=timeout, num_workers=num_workers,
+            prefetch_factor=prefetch_factor, worker_start_method=start_method,
+        )
+        self.skip_idle = skip_idle
+        self.timeout = timeout
+        self.epoch = 0
+        self._ctx: Any = tmp.get_context(start_method)
+        self._proc: Any = None
+        self._ctrl: Any = None
+        self._out: Any = None
+        self._queue_size = queue_size
+        self._step_info: StepInfo | None = None
+
+    @property
+    def step_info(self) -> StepInfo:
+        """The :class:`StepInfo` of the batch just yielded."""
+        if self._step_info is None:
+            raise RuntimeError("step_info is available once the loader has yielded a batch")
+        return self._step_info
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the sampler permutation of ``epoch`` (call it on every rank, as with DistributedSampler)."""
+        self.epoch = epoch
+
+    def _start(self) -> None:
+        self._ctrl = self._ctx.Queue()
+        self._out = self._ctx.Queue(maxsize=self._queue_size)
+        self._proc = self._ctx.Process(target=collate_main, args=(self._spec, self.sampler, self._ctrl, self._out),
+                                       name=f"odb-collate-rank{self.rank}", daemon=False)
+        self._proc.start()
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._proc is None:
+            self._start()
+        elif not self._proc.is_alive():
+            raise CollateProcessError(f"rank {self.rank}: the collate process is gone "
+                                      f"(exit code {self._proc.exitcode}); create a new loader")
+        epoch = self.epoch
+        self._ctrl.put(("epoch", epoch))
+        last = time.monotonic()
+        while True:
+            try:
+                item = self._out.get(timeout=1.0)
+            except queue.Empty:
+                if not self._proc.is_alive():
+                    self._fail(CollateProcessError(
+                        f"rank {self.rank}: the collate process died (exit code {self._proc.exitcode})"))
+                if time.monotonic() - last > self.timeout:
+                    self._fail(PeerError(f"rank {self.rank}: no batch for {self.timeout:.0f}s "
+                                         "(a peer rank is stalled or gone)"))
+                continue
+            last = time.monotonic()
+            kind = item[0]
+            if kind == "end":
+                return
+            if kind == "error":
+                self._fail(getattr(odb_errors, item[1], CollateProcessError)(item[2]))
+            _, batch, info = item
+            if info.is_idle and self.skip_idle:
+                continue
+            self._step_info = info
+            yield batch
+
+    def _fail(self, exc: Exception) -> None:
+        self.close()
+        raise exc
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the collate process (and its workers); idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.is_alive():
+            try:
+                self._ctrl.put(("stop",))
+            except Exception:
+                pass
+            proc.join(timeout)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        for q in (self._ctrl, self._out):
+            q.cancel_join_thread()
+            q.close()
+
+    def __enter__(self) -> "ODBDataLoader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close(timeout=1.0)
+        except Exception:
+            pass

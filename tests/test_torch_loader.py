@@ -1,0 +1,123 @@
+"""ODBDataLoader under real multi-process Gloo runs (spawn), W = 1..4.
+
+Each test spawns W trainer ranks, each with its own ODBDataLoader (and so its own
+collate process in its own Gloo group), waits with a timeout, kills anything still
+running, and checks that no process carrying the test's tag is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import uuid
+from multiprocessing import resource_tracker
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.multiprocessing as tmp
+
+from torch_support import describe, rank_main, sample_length, wait_for_no_leftovers
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def free_port_pair() -> int:
+    while True:
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+        with socket.socket() as b:
+            try:
+                b.bind(("127.0.0.1", port + 1))
+                return int(port)
+            except OSError:
+                continue
+
+
+def run_ranks(world: int, task: dict[str, Any], tmp_path: Path, timeout: float = 240) -> list[dict[str, Any]]:
+    resource_tracker.ensure_running()  # this process's own helper must not carry the tag
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex
+    os.environ["ODB_TEST_TAG"] = tag
+    try:
+        ctx = tmp.start_processes(rank_main, args=(world, free_port_pair(), str(tmp_path), task), nprocs=world,
+                                  join=False, start_method="spawn")
+        try:
+            ctx.join(timeout)
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                p.join(10)
+    finally:
+        del os.environ["ODB_TEST_TAG"]
+    leftovers = wait_for_no_leftovers(tag)
+    described = [describe(pid) for pid in leftovers]
+    for pid in leftovers:
+        os.kill(pid, signal.SIGKILL)
+    assert not leftovers, f"processes left behind: {described}"
+    results = []
+    for r in range(world):
+        path = tmp_path / f"rank{r}.json"
+        assert path.exists(), f"rank {r} produced no result within {timeout}s"
+        results.append(json.loads(path.read_text()))
+    return results
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_lockstep_coverage_budget_over_two_epochs(world, tmp_path):
+    n = 157
+    results = run_ranks(world, {"kind": "audit", "n": n, "epochs": 2, "workers": 1 if world == 2 else 0}, tmp_path)
+    for r in results:
+        assert "error" not in r, r.get("trace")
+    for epoch in range(2):
+        steps = [r["epochs"][epoch] for r in results]
+        assert len({len(s) for s in steps}) == 1, "P2: ranks yielded different step counts"
+        assert all([x["step"] for x in s] == list(range(len(s))) for s in steps)
+        ids = [i for s in steps for x in s for i in x["ids"]]
+        assert set(ids) == set(range(n)), "P4: a dataset index was never yielded"
+        assert len(ids) == world * math.ceil(n / world), "P4: views lost or duplicated beyond sampler padding"
+        for s in steps:
+            for x in s:
+                if not x["idle"] and x["size"] >= 2:
+                    assert x["longest"] * x["size"] <= 128, "P3: a multi-sample batch exceeds the budget"
+                assert x["over"] == (x["size"] == 1 and not x["idle"] and sample_length(x["ids"][0]) > 128)
+    if world > 1:
+        orders = [[x["ids"] for x in r["epochs"][0]] for r in results]
+        assert orders != [[x["ids"] for x in r["epochs"][1]] for r in results], "epochs must reshuffle"
+
+
+def test_same_seed_same_batches(tmp_path):
+    task = {"kind": "audit", "n": 90, "epochs": 1, "seed": 7}
+    first = run_ranks(2, task, tmp_path / "a")
+    second = run_ranks(2, task, tmp_path / "b")
+    assert [r["epochs"] for r in first] == [r["epochs"] for r in second]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_exact_loss_scaling_matches_per_token_reference_gradient(world, tmp_path):
+    results = run_ranks(world, {"kind": "grad", "n": 60, "buffer": 8}, tmp_path)
+    for r in results:
+        assert "error" not in r, r.get("trace")
+        assert r["max_err"] < 1e-12, f"rank {r['rank']}: DDP gradient differs from the reference by {r['max_err']}"
+
+
+@pytest.mark.parametrize(
+    ("fail", "extra", "owner_error", "needle"),
+    [
+        ({"14": "getitem"}, {}, "SampleLoadError", "dataset index 14"),
+        ({"14": "nolength"}, {}, "InvalidSampleError", "sample 14"),
+        ({}, {"failing_collate": True}, "CollateFnError", "13"),
+    ],
+)
+def test_bad_input_raises_typed_errors_on_every_rank(fail, extra, owner_error, needle, tmp_path):
+    task = {"kind": "audit", "n": 40, "epochs": 1, "fail": fail, "timeout": 30, **extra}
+    results = run_ranks(2, task, tmp_path)
+    errors = {r["error"] for r in results}
+    owners = [r for r in results if r.get("error") == owner_error]
+    assert owners and needle in owners[0]["message"], results
+    assert errors <= {owner_error, "PeerError"}, "surviving ranks must raise a typed PeerError"

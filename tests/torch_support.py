@@ -1,0 +1,183 @@
+"""Module-level helpers for the multi-process torch tests (spawn needs them importable)."""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+from odb_torch import ODBDataLoader
+
+
+def sample_length(i: int) -> int:
+    """A heavy-tailed, deterministic length for index i (1..300; budget 128 makes some over-budget)."""
+    return 1 + (i * 7919) % 97 if i % 11 else 120 + (i * 31) % 180
+
+
+class ToyDataset(Dataset):  # type: ignore[type-arg]
+    """Token samples; ``fail`` maps an index to the failure it triggers."""
+
+    def __init__(self, n: int, fail: dict[int, str] | None = None) -> None:
+        self.n = n
+        self.fail = fail or {}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if self.fail.get(i) == "getitem":
+            raise ValueError(f"corrupt record {i}")
+        length = sample_length(i)
+        ids = (torch.arange(length) * (i + 3)) % 50
+        labels = ids.clone()
+        labels[: length // 3] = -100
+        sample = {"input_ids": ids, "labels": labels, "idx": i}
+        if self.fail.get(i) == "nolength":
+            del sample["input_ids"]
+        return sample
+
+
+def pad_collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest sample; labels padded with -100."""
+    if any(s["idx"] < 0 for s in samples):
+        raise RuntimeError("negative idx")
+    width = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    labels = torch.full((len(samples), width), -100, dtype=torch.long)
+    for k, s in enumerate(samples):
+        ids[k, : len(s["input_ids"])] = s["input_ids"]
+        labels[k, : len(s["labels"])] = s["labels"]
+    return {"input_ids": ids, "labels": labels, "idx": torch.tensor([s["idx"] for s in samples])}
+
+
+def failing_collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Fails on any group containing index 13."""
+    if any(s["idx"] == 13 for s in samples):
+        raise RuntimeError("cannot collate 13")
+    return pad_collate(samples)
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding + linear head in float64: per-token cross-entropy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(50, 8, dtype=torch.float64)
+        self.head = torch.nn.Linear(8, 50, dtype=torch.float64)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Sum of per-token cross-entropy over the batch's loss tokens."""
+        logits = self.head(self.emb(batch["input_ids"]))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 50), batch["labels"].reshape(-1),
+                                                 ignore_index=-100, reduction="sum")
+
+
+def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, Any]) -> None:
+    """One trainer rank: a Gloo trainer group, an ODBDataLoader, and the task's loop."""
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        dataset = ToyDataset(task["n"], {int(k): v for k, v in task.get("fail", {}).items()})
+        collate = failing_collate if task.get("failing_collate") else pad_collate
+        loader = ODBDataLoader(dataset, token_budget=128, collate_fn=collate, buffer_size=task.get("buffer", 16),
+                               num_workers=task.get("workers", 0), seed=task.get("seed", 0),
+                               init_method=f"tcp://127.0.0.1:{port + 1}", timeout=task.get("timeout", 60))
+        try:
+            if task["kind"] == "audit":
+                result["epochs"] = []
+                for epoch in range(task["epochs"]):
+                    loader.set_epoch(epoch)
+                    steps = []
+                    for batch in loader:
+                        info = loader.step_info
+                        ids = [] if info.is_idle else batch["idx"].tolist()
+                        assert ids == list(info.indices)
+                        steps.append({"ids": ids, "idle": info.is_idle, "step": info.step,
+                                      "tokens": int(batch["input_ids"].numel()), "size": len(batch["idx"]),
+                                      "longest": int(batch["input_ids"].shape[1]), "over": info.over_budget})
+                    result["epochs"].append(steps)
+            elif task["kind"] == "grad":
+                result["max_err"] = grad_check(loader, world)
+        finally:
+            loader.close()
+    except Exception as exc:
+        result["error"] = type(exc).__name__
+        result["message"] = str(exc)
+        result["trace"] = traceback.format_exc()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def grad_check(loader: ODBDataLoader, world: int) -> float:
+    """Per step: DDP gradient of (local mean loss x loss_scale) vs the single-process
+    per-token-mean gradient over every rank's batch of that step; returns the max error."""
+    model = TinyLM()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    reference = TinyLM()
+    worst = 0.0
+    for batch in loader:
+        info = loader.step_info
+        ddp.zero_grad()
+        local_mean = ddp(batch) / max(info.local_tokens, 1)  # idle steps: 0 tokens, loss_scale 0
+        (local_mean * info.loss_scale).backward()
+        batches: list[Any] = [None] * world
+        dist.all_gather_object(batches, None if info.is_idle else batch)
+        reference.zero_grad()
+        total = sum(reference(b) for b in batches if b is not None)
+        (total / info.global_tokens).backward()  # type: ignore[operator]
+        for p, q in zip(model.parameters(), reference.parameters()):
+            worst = max(worst, float((p.grad - q.grad).abs().max()))
+        with torch.no_grad():  # keep both models identical
+            for p, q in zip(model.parameters(), reference.parameters()):
+                p -= 0.1 * p.grad
+                q.copy_(p)
+    return worst
+
+
+def leftover_processes(tag: str) -> list[int]:
+    """PIDs of live processes whose environment carries ``ODB_TEST_TAG=tag``."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            env = Path("/proc", pid, "environ").read_bytes()
+            state = Path("/proc", pid, "stat").read_text().split()[2]
+        except OSError:
+            continue
+        if f"ODB_TEST_TAG={tag}".encode() in env.split(b"\0") and state != "Z":
+            found.append(int(pid))
+    return found
+
+
+def describe(pid: int) -> str:
+    """The command line of a process, for failure messages."""
+    try:
+        return Path("/proc", str(pid), "cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "?"
+
+
+def wait_for_no_leftovers(tag: str, grace: float = 15.0) -> list[int]:
+    """Poll until no tagged process is alive, up to ``grace`` seconds (helper processes
+    such as multiprocessing's resource tracker exit just after their parent)."""
+    import time
+
+    deadline = time.monotonic() + grace
+    while True:
+        found = leftover_processes(tag)
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
