@@ -64,17 +64,24 @@ class CollateSpec:
 
 
 class _ParentGone(Exception):
-    """The trainer process is gone: exit quietly rather than linger as an orphan."""
+    """The trainer process is gone, or told us to stop mid-epoch: exit quietly."""
 
 
-def _put(out: Any, item: Any, parent: int) -> None:
+def _put(out: Any, item: Any, parent: int, ctrl: Any = None) -> None:
+    """Put ``item`` on the bounded output queue, giving up if the trainer is gone or says stop."""
     while True:
         try:
-            out.put(item, timeout=1.0)
+            out.put(item, timeout=0.2)
             return
         except queue.Full:
             if os.getppid() != parent:
                 raise _ParentGone from None
+            if ctrl is not None:
+                try:
+                    if ctrl.get_nowait()[0] == "stop":
+                        raise _ParentGone from None
+                except queue.Empty:
+                    pass
 
 
 def _await_stop(ctrl: Any, parent: int) -> None:
@@ -117,9 +124,18 @@ def _measure(spec: CollateSpec, sample: Any, index: int) -> tuple[int, int]:
     return int(length) if isinstance(length, torch.Tensor) else length, int(tokens)
 
 
-def run_epoch(spec: CollateSpec, sampler: Any, epoch: int, out: Any, parent: int) -> None:
-    """One epoch of the protocol; puts ("step", batch, StepInfo) items on ``out``."""
-    views = _views(spec, sampler, epoch)
+def run_epoch(
+    spec: CollateSpec, sampler: Any, epoch: int, out: Any, parent: int, ctrl: Any,
+    skip: frozenset[int] = frozenset(), first_step: int = 0,
+) -> None:
+    """One epoch of the protocol; puts ("step", batch, StepInfo, positions) items on ``out``.
+
+    ``skip`` holds the sampler positions already consumed before a restart: they are
+    left out, so a resumed epoch emits exactly the rest (nothing lost, nothing twice).
+    """
+    order = _views(spec, sampler, epoch)
+    kept = [pos for pos in range(len(order)) if pos not in skip]
+    views = [order[pos] for pos in kept]
     proto = RankProtocol(spec.config, spec.rank, spec.world, views, iteration=epoch)
     loader = DataLoader(
         spec.dataset, sampler=views, batch_size=None, collate_fn=_identity, num_workers=spec.num_workers,
@@ -130,7 +146,7 @@ def run_epoch(spec: CollateSpec, sampler: Any, epoch: int, out: Any, parent: int
     samples: dict[int, Any] = {}
     received = 0
     template: Any = None
-    step = 0
+    step = first_step
     while True:
         proto.fetch()
         while len(samples) < spec.config.buffer_size and received < proto.next_position:
@@ -170,7 +186,7 @@ def run_epoch(spec: CollateSpec, sampler: Any, epoch: int, out: Any, parent: int
                 loss_scale=s.loss_scale, weight_num=s.weight.numerator, weight_den=s.weight.denominator,
                 over_budget=s.over_budget, indices=s.identities,
             )
-            _put(out, ("step", batch, info), parent)
+            _put(out, ("step", batch, info, tuple(kept[p] for p in s.positions)), parent, ctrl)
             step += 1
 
 
@@ -198,8 +214,9 @@ def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any) -> None:
                 continue
             if cmd[0] == "stop":
                 break
-            run_epoch(spec, sampler, cmd[1], out, parent)
-            _put(out, ("end", cmd[1]), parent)
+            _, epoch, skip, first_step = cmd
+            run_epoch(spec, sampler, epoch, out, parent, ctrl, frozenset(skip), first_step)
+            _put(out, ("end", epoch), parent, ctrl)
     except _ParentGone:
         pass
     except BaseException as exc:  # anything reaches the trainer, typed

@@ -114,6 +114,9 @@ class ODBDataLoader:
         self._out: Any = None
         self._queue_size = queue_size
         self._step_info: StepInfo | None = None
+        self._consumed: list[int] = []  # sampler positions yielded this epoch
+        self._steps = 0  # steps (idle included) consumed this epoch
+        self._resume: tuple[int, list[int], int] | None = None
 
     @property
     def step_info(self) -> StepInfo:
@@ -125,6 +128,23 @@ class ODBDataLoader:
     def set_epoch(self, epoch: int) -> None:
         """Select the sampler permutation of ``epoch`` (call it on every rank, as with DistributedSampler)."""
         self.epoch = epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's position at the current step boundary (take it on every rank at the same step).
+
+        Restoring it with :meth:`load_state_dict` makes the next iteration emit exactly
+        the sampler views of this epoch not yet yielded: nothing lost, nothing twice.
+        """
+        return {"epoch": self.epoch, "steps": self._steps, "consumed": sorted(self._consumed),
+                "rank": self.rank, "world_size": self.world_size, "seed": self.config.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`; the rank, world size and seed must match."""
+        for key, mine in (("rank", self.rank), ("world_size", self.world_size), ("seed", self.config.seed)):
+            if state.get(key) != mine:
+                raise ValueError(f"state_dict {key}={state.get(key)!r} does not match this loader's {mine!r}")
+        self.epoch = int(state["epoch"])
+        self._resume = (self.epoch, list(state["consumed"]), int(state["steps"]))
 
     def _start(self) -> None:
         self._ctrl = self._ctx.Queue()
@@ -140,11 +160,22 @@ class ODBDataLoader:
             raise CollateProcessError(f"rank {self.rank}: the collate process is gone "
                                       f"(exit code {self._proc.exitcode}); create a new loader")
         epoch = self.epoch
-        self._ctrl.put(("epoch", epoch))
+        if self._resume is not None and self._resume[0] == epoch:
+            _, skip, first_step = self._resume
+        else:
+            skip, first_step = [], 0
+        self._resume = None
+        self._consumed, self._steps = list(skip), first_step
+        self._ctrl.put(("epoch", epoch, skip, first_step))
         last = time.monotonic()
         while True:
             try:
                 item = self._out.get(timeout=1.0)
+            except (EOFError, OSError) as exc:  # a batch's tensors died with their sender
+                self._proc.join(5.0)
+                self._fail(CollateProcessError(
+                    f"rank {self.rank}: lost the collate process while receiving a batch "
+                    f"(exit code {self._proc.exitcode}): {type(exc).__name__}: {exc}"))
             except queue.Empty:
                 if not self._proc.is_alive():
                     self._fail(CollateProcessError(
@@ -159,7 +190,9 @@ class ODBDataLoader:
                 return
             if kind == "error":
                 self._fail(getattr(odb_errors, item[1], CollateProcessError)(item[2]))
-            _, batch, info = item
+            _, batch, info, positions = item
+            self._consumed.extend(positions)
+            self._steps += 1
             if info.is_idle and self.skip_idle:
                 continue
             self._step_info = info

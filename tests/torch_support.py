@@ -107,6 +107,31 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
                     result["epochs"].append(steps)
             elif task["kind"] == "grad":
                 result["max_err"] = grad_check(loader, world)
+            elif task["kind"] == "resume":
+                loader.set_epoch(1)
+                before = []
+                for k, batch in enumerate(loader):
+                    before.append(list(loader.step_info.indices))
+                    if k + 1 == task["stop_after"]:
+                        break
+                state = json.loads(json.dumps(loader.state_dict()))  # as a checkpoint would store it
+                loader.close()
+                loader = ODBDataLoader(dataset, token_budget=128, collate_fn=collate, buffer_size=task.get("buffer", 16),
+                                       num_workers=0, init_method=f"tcp://127.0.0.1:{port + 2}", timeout=60)
+                loader.load_state_dict(state)
+                after = [list(loader.step_info.indices) for _ in loader]
+                result.update(before=before, after=after)
+            elif task["kind"] == "fault":
+                loader.set_epoch(0)
+                for k, _ in enumerate(loader):
+                    if k == 2 and rank == task["victim"]:
+                        if task["fault"] == "kill_collate":
+                            os.kill(loader._proc.pid, 9)
+                        elif task["fault"] == "kill_rank":
+                            os.kill(os.getpid(), 9)
+                        elif task["fault"] == "stall":
+                            import time
+                            time.sleep(task["timeout"] * 3)
         finally:
             loader.close()
     except Exception as exc:
