@@ -1,6 +1,7 @@
 """The per-rank collate process: drives :class:`odb_core.RankProtocol` over a Gloo group.
 
-It owns a process group of its own (isolated from the trainer's NCCL or Gloo group),
+It owns a Gloo process group of its own (its own TCPStore and ProcessGroupGloo, never
+the default group, so it is isolated from the trainer's NCCL or Gloo group),
 a plain :class:`torch.utils.data.DataLoader` whose workers load single samples in
 sampler order, and the user's ``collate_fn``. Batches and their :class:`StepInfo` go
 to the trainer process through a bounded queue; errors go the same way as a typed
@@ -12,13 +13,14 @@ from __future__ import annotations
 import os
 import queue
 import traceback
+from urllib.parse import urlparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch.distributed import ProcessGroupGloo, TCPStore  # type: ignore[attr-defined]  # public, documented API
 from torch.utils.data import DataLoader, Dataset
 
 from odb_core import ODBConfig, ODBError, RankProtocol
@@ -100,11 +102,25 @@ def _views(spec: CollateSpec, sampler: Any, epoch: int) -> list[int]:
     return [int(i) for i in sampler]
 
 
-def _all_gather(values: list[int], world: int, what: str, rank: int) -> list[list[int]]:
+def _collate_group(spec: CollateSpec) -> tuple[Any, Any]:
+    """The collate group: its own TCPStore and ProcessGroupGloo, never the default group.
+
+    So it is isolated from the trainer's group under every start method (under fork
+    the child inherits the trainer's default group, which it must not touch).
+    """
+    url = urlparse(spec.init_method)
+    if url.scheme != "tcp" or url.hostname is None or url.port is None:
+        raise ValueError(f"init_method must be tcp://host:port, got {spec.init_method!r}")
+    timeout = timedelta(seconds=spec.timeout)
+    store = TCPStore(url.hostname, url.port, spec.world, spec.rank == 0, timeout)
+    return store, ProcessGroupGloo(store, spec.rank, spec.world, timeout)
+
+
+def _all_gather(pg: Any, values: list[int], world: int, what: str, rank: int) -> list[list[int]]:
     mine = torch.tensor(values, dtype=torch.int64)
     out = [torch.empty_like(mine) for _ in range(world)]
     try:
-        dist.all_gather(out, mine)
+        pg.allgather([out], [mine]).wait()
     except Exception as exc:  # gloo raises RuntimeError subclasses on peer death and timeouts
         raise PeerError(f"rank {rank}: the {what} all_gather of the collate group failed "
                         f"(a peer rank died or exceeded the timeout): {exc}") from None
@@ -125,7 +141,7 @@ def _measure(spec: CollateSpec, sample: Any, index: int) -> tuple[int, int]:
 
 
 def run_epoch(
-    spec: CollateSpec, sampler: Any, epoch: int, out: Any, parent: int, ctrl: Any,
+    spec: CollateSpec, pg: Any, sampler: Any, epoch: int, out: Any, parent: int, ctrl: Any,
     skip: frozenset[int] = frozenset(), first_step: int = 0,
 ) -> None:
     """One epoch of the protocol; puts ("step", batch, StepInfo, positions) items on ``out``.
@@ -162,12 +178,12 @@ def run_epoch(
             template = sample if template is None else template
             received += 1
             proto.fetch()
-        plan = proto.on_headers(_all_gather(proto.begin_round(), spec.world, "header", spec.rank))
+        plan = proto.on_headers(_all_gather(pg, proto.begin_round(), spec.world, "header", spec.rank))
         if plan.done:
             return
         if plan.step_vector is None:
             continue
-        steps = proto.on_steps(_all_gather(plan.step_vector, spec.world, "step", spec.rank))
+        steps = proto.on_steps(_all_gather(pg, plan.step_vector, spec.world, "step", spec.rank))
         for s in steps:
             if s.is_idle:
                 if template is None:
@@ -198,8 +214,7 @@ def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any) -> None:
     """
     parent = os.getppid()
     try:
-        dist.init_process_group("gloo", init_method=spec.init_method, rank=spec.rank, world_size=spec.world,
-                                timeout=timedelta(seconds=spec.timeout))
+        store, pg = _collate_group(spec)
     except Exception as exc:
         out.put(("error", "PeerError", f"rank {spec.rank}: collate group rendezvous at {spec.init_method} "
                  f"failed: {type(exc).__name__}: {exc}"))
@@ -215,7 +230,7 @@ def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any) -> None:
             if cmd[0] == "stop":
                 break
             _, epoch, skip, first_step = cmd
-            run_epoch(spec, sampler, epoch, out, parent, ctrl, frozenset(skip), first_step)
+            run_epoch(spec, pg, sampler, epoch, out, parent, ctrl, frozenset(skip), first_step)
             _put(out, ("end", epoch), parent, ctrl)
     except _ParentGone:
         pass
@@ -233,7 +248,4 @@ def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any) -> None:
         except _ParentGone:
             pass
     finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
+        del pg, store

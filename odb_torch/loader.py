@@ -219,9 +219,11 @@ class ODBDataLoader:
         if proc.is_alive():
             proc.kill()
             proc.join()
+        proc.close()
         for q in (self._ctrl, self._out):
             q.cancel_join_thread()
             q.close()
+        self._ctrl = self._out = None
 
     def __enter__(self) -> "ODBDataLoader":
         return self

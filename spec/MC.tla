@@ -16,9 +16,9 @@ Len_3u == <<<<1, 4, 8>>, <<2, 2>>, <<7>>>>
 \* Three ranks, the last with no data at all.
 NV_3e == <<3, 2, 0>>
 Len_3e == <<<<1, 4, 8>>, <<2, 2>>, <<>>>>
-\* Deep suite: three ranks, four views each.
-NV_3x4 == <<4, 4, 4>>
-Len_3x4 == <<<<2, 3, 6, 9>>, <<1, 1, 5, 12>>, <<4, 4, 4, 0>>>>
+\* Deep suite: three ranks, three views each.
+NV_3x3 == <<3, 3, 3>>
+Len_3x3 == <<<<2, 6, 9>>, <<1, 5, 12>>, <<4, 4, 0>>>>
 
 ---------------------------------------------------------------------------
 \* M1: target without C_min+ (ignores output capacity).

@@ -2,7 +2,8 @@
 
 Each test spawns W trainer ranks, each with its own ODBDataLoader (and so its own
 collate process in its own Gloo group), waits with a timeout, kills anything still
-running, and checks that no process carrying the test's tag is left behind.
+running, and checks that no process carrying the test's tag and no /dev/shm entry
+created during the run is left behind.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def free_port_triple() -> int:
 def run_ranks(world: int, task: dict[str, Any], tmp_path: Path, timeout: float = 240) -> list[dict[str, Any]]:
     resource_tracker.ensure_running()  # this process's own helper must not carry the tag
     tmp_path.mkdir(parents=True, exist_ok=True)
+    shm_before = set(os.listdir("/dev/shm"))
     tag = uuid.uuid4().hex
     os.environ["ODB_TEST_TAG"] = tag
     try:
@@ -65,6 +67,8 @@ def run_ranks(world: int, task: dict[str, Any], tmp_path: Path, timeout: float =
     for pid in leftovers:
         os.kill(pid, signal.SIGKILL)
     assert not leftovers, f"processes left behind: {described}"
+    leaked = sorted(set(os.listdir("/dev/shm")) - shm_before)
+    assert not leaked, f"shared memory left behind: {leaked}"
     results = []
     for r in range(world):
         path = tmp_path / f"rank{r}.json"
@@ -73,12 +77,12 @@ def run_ranks(world: int, task: dict[str, Any], tmp_path: Path, timeout: float =
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_lockstep_coverage_budget_over_two_epochs(world, tmp_path):
+def test_lockstep_coverage_budget_over_three_epochs_without_leaks(world, tmp_path):
     n = 157
-    results = run_ranks(world, {"kind": "audit", "n": n, "epochs": 2, "workers": 1 if world == 2 else 0}, tmp_path)
+    results = run_ranks(world, {"kind": "audit", "n": n, "epochs": 3, "workers": 1 if world == 2 else 0}, tmp_path)
     for r in results:
         assert "error" not in r, r
-    for epoch in range(2):
+    for epoch in range(3):
         steps = [r["epochs"][epoch] for r in results]
         assert len({len(s) for s in steps}) == 1, "P2: ranks yielded different step counts"
         assert all([x["step"] for x in s] == list(range(len(s))) for s in steps)
@@ -90,6 +94,9 @@ def test_lockstep_coverage_budget_over_two_epochs(world, tmp_path):
                 if not x["idle"] and x["size"] >= 2:
                     assert x["longest"] * x["size"] <= 128, "P3: a multi-sample batch exceeds the budget"
                 assert x["over"] == (x["size"] == 1 and not x["idle"] and sample_length(x["ids"][0]) > 128)
+    for r in results:
+        first, *later = r["fds_after_epoch"]
+        assert all(n <= first for n in later), f"rank {r['rank']}: open file descriptors grow per epoch: {r['fds_after_epoch']}"
     if world > 1:
         orders = [[x["ids"] for x in r["epochs"][0]] for r in results]
         assert orders != [[x["ids"] for x in r["epochs"][1]] for r in results], "epochs must reshuffle"
@@ -115,7 +122,7 @@ def test_exact_loss_scaling_matches_per_token_reference_gradient(world, tmp_path
     [
         ({"14": "getitem"}, {}, "SampleLoadError", "dataset index 14"),
         ({"14": "nolength"}, {}, "InvalidSampleError", "sample 14"),
-        ({}, {"failing_collate": True}, "CollateFnError", "13"),
+        ({}, {"collate": "failing"}, "CollateFnError", "13"),
     ],
 )
 def test_bad_input_raises_typed_errors_on_every_rank(fail, extra, owner_error, needle, tmp_path):
@@ -156,3 +163,22 @@ def test_faults_raise_typed_errors_on_survivors_within_bounded_time(fault, victi
     assert results[0]["error"] == victim_error, results[0]
     assert {r["error"] for r in results[1:]} <= others, results[1:]
     assert "rank 1" in results[1]["message"] or "rank 0" in results[1]["message"]
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_other_start_methods_give_the_same_epoch(start_method, tmp_path):
+    task = {"kind": "audit", "n": 70, "epochs": 1, "seed": 3}
+    spawned = run_ranks(2, task, tmp_path / "spawn")
+    other = run_ranks(2, {**task, "start_method": start_method}, tmp_path / start_method)
+    for r in spawned + other:
+        assert "error" not in r, r
+    assert [r["epochs"] for r in other] == [r["epochs"] for r in spawned]
+
+
+@pytest.mark.parametrize("collate", ["tuple", "tensor"])
+def test_collate_fn_may_return_a_tuple_or_a_tensor(collate, tmp_path):
+    (result,) = run_ranks(1, {"kind": "audit", "n": 30, "epochs": 1, "collate": collate}, tmp_path)
+    assert "error" not in result, result
+    steps = result["epochs"][0]
+    assert sorted(i for s in steps for i in s["ids"]) == list(range(30))
+    assert all(s["shape"][0] == len(s["ids"]) for s in steps)

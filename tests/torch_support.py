@@ -57,6 +57,17 @@ def pad_collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "idx": torch.tensor([s["idx"] for s in samples])}
 
 
+def tuple_collate(samples: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, idx) as a tuple."""
+    batch = pad_collate(samples)
+    return batch["input_ids"], batch["idx"]
+
+
+def tensor_collate(samples: list[dict[str, Any]]) -> torch.Tensor:
+    """Just the padded input_ids tensor."""
+    return pad_collate(samples)["input_ids"]
+
+
 def failing_collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """Fails on any group containing index 13."""
     if any(s["idx"] == 13 for s in samples):
@@ -87,10 +98,12 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
         dataset = ToyDataset(task["n"], {int(k): v for k, v in task.get("fail", {}).items()})
-        collate = failing_collate if task.get("failing_collate") else pad_collate
+        collate = {"failing": failing_collate, "tuple": tuple_collate, "tensor": tensor_collate}.get(
+            task.get("collate", ""), pad_collate)
         loader = ODBDataLoader(dataset, token_budget=128, collate_fn=collate, buffer_size=task.get("buffer", 16),
                                num_workers=task.get("workers", 0), seed=task.get("seed", 0),
-                               init_method=f"tcp://127.0.0.1:{port + 1}", timeout=task.get("timeout", 60))
+                               init_method=f"tcp://127.0.0.1:{port + 1}", timeout=task.get("timeout", 60),
+                               start_method=task.get("start_method", "spawn"))
         try:
             if task["kind"] == "audit":
                 result["epochs"] = []
@@ -99,12 +112,18 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
                     steps = []
                     for batch in loader:
                         info = loader.step_info
+                        if task.get("collate") in ("tuple", "tensor"):
+                            ids = [] if info.is_idle else list(info.indices)
+                            width = (batch[0] if isinstance(batch, tuple) else batch).shape
+                            steps.append({"ids": ids, "idle": info.is_idle, "shape": list(width)})
+                            continue
                         ids = [] if info.is_idle else batch["idx"].tolist()
                         assert ids == list(info.indices)
                         steps.append({"ids": ids, "idle": info.is_idle, "step": info.step,
                                       "tokens": int(batch["input_ids"].numel()), "size": len(batch["idx"]),
                                       "longest": int(batch["input_ids"].shape[1]), "over": info.over_budget})
                     result["epochs"].append(steps)
+                    result.setdefault("fds_after_epoch", []).append(len(os.listdir("/proc/self/fd")))
             elif task["kind"] == "grad":
                 result["max_err"] = grad_check(loader, world)
             elif task["kind"] == "resume":
