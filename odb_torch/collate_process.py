@@ -197,7 +197,7 @@ def run_epoch(
                 raise CollateFnError(f"rank {spec.rank}: collate_fn failed on dataset indices "
                                      f"{list(s.identities)}: {type(exc).__name__}: {exc}") from None
             info = StepInfo(
-                epoch=epoch, step=step, is_idle=s.is_idle, local_samples=s.local_samples,
+                epoch=epoch, step=step, round=s.round, is_idle=s.is_idle, local_samples=s.local_samples,
                 global_samples=s.global_samples, local_tokens=s.local_tokens, global_tokens=s.global_tokens,
                 loss_scale=s.loss_scale, weight_num=s.weight.numerator, weight_den=s.weight.denominator,
                 over_budget=s.over_budget, indices=s.identities,

@@ -18,6 +18,8 @@ class StepInfo:
     epoch: int
     step: int
     """Index of this step in the epoch (the same on every rank, P2)."""
+    round: int
+    """Protocol round that emitted it (a round's gathers carry 8 x (7 + 2T) bytes per rank)."""
     is_idle: bool
     """A zero-weight filler step: this rank had nothing to emit but DDP must step."""
     local_samples: int
