@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 from odb_core import ODBConfig, ODBError, RankProtocol
 from odb_core.errors import CollateFnError, InvalidSampleError, PeerError, SampleLoadError
 from odb_torch.step_info import StepInfo
+from odb_torch.transport import IndexedDataset, pack, unpack
 
 
 def default_length(sample: Any) -> int:
@@ -43,8 +44,8 @@ def default_loss_tokens(sample: Any, length: int) -> int:
     return length
 
 
-def _identity(sample: Any) -> Any:
-    return sample
+CHUNK = 16
+"""Consecutive sampler views a worker loads and ships as one packed chunk."""
 
 
 @dataclass
@@ -94,6 +95,19 @@ def _await_stop(ctrl: Any, parent: int) -> None:
         except queue.Empty:
             if os.getppid() != parent:
                 return
+
+
+class _ViewDataset(Dataset):  # type: ignore[type-arg]
+    """Position -> sample of this rank's views (so batch_sampler chunks are positions)."""
+
+    def __init__(self, dataset: Dataset[Any], views: list[int]) -> None:
+        self.dataset, self.views = dataset, views
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+    def __getitem__(self, pos: int) -> Any:
+        return self.dataset[self.views[pos]]
 
 
 def _views(spec: CollateSpec, sampler: Any, epoch: int) -> list[int]:
@@ -153,31 +167,47 @@ def run_epoch(
     kept = [pos for pos in range(len(order)) if pos not in skip]
     views = [order[pos] for pos in kept]
     proto = RankProtocol(spec.config, spec.rank, spec.world, views, iteration=epoch)
+    chunks = [list(range(k, min(k + CHUNK, len(views)))) for k in range(0, len(views), CHUNK)]
     loader = DataLoader(
-        spec.dataset, sampler=views, batch_size=None, collate_fn=_identity, num_workers=spec.num_workers,
+        _ViewDataset(IndexedDataset(spec.dataset, spec.rank), views), batch_sampler=chunks, collate_fn=pack,
+        num_workers=spec.num_workers,
         prefetch_factor=spec.prefetch_factor if spec.num_workers else None,
         multiprocessing_context=spec.worker_start_method if spec.num_workers else None,
     )
     it = iter(loader)
-    samples: dict[int, Any] = {}
+    samples: dict[int, Any] = {}  # B: position -> sample
+    held: dict[int, Any] = {}  # loaded ahead of the core's fetch (still in R for the protocol)
     received = 0
     template: Any = None
     step = first_step
-    while True:
+
+    def admit() -> None:
+        """Fetch what the depth allows, then hand the core every loaded sample now in Q."""
+        nonlocal template
         proto.fetch()
-        while len(samples) < spec.config.buffer_size and received < proto.next_position:
-            index = views[received]
-            try:
-                sample = next(it)
-            except Exception as exc:
-                raise SampleLoadError(f"rank {spec.rank}: loading dataset index {index} failed: "
-                                      f"{type(exc).__name__}: {exc}") from None
-            length, tokens = _measure(spec, sample, index)
-            proto.arrive(received, length, tokens)
-            samples[received] = sample
+        for pos in sorted(p for p in held if p < proto.next_position):
+            sample = held.pop(pos)
+            length, tokens = _measure(spec, sample, views[pos])
+            proto.arrive(pos, length, tokens)
+            samples[pos] = sample
             template = sample if template is None else template
-            received += 1
-            proto.fetch()
+
+    while True:
+        admit()
+        # after admit(), every held sample lies beyond R's head: received < next_position
+        # means some fetched view has not arrived yet
+        while len(samples) < spec.config.buffer_size and received < proto.next_position:
+            try:
+                chunk = unpack(next(it))
+            except SampleLoadError:
+                raise
+            except Exception as exc:
+                raise SampleLoadError(f"rank {spec.rank}: loading dataset indices {views[received:received + CHUNK]} "
+                                      f"failed: {type(exc).__name__}: {exc}") from None
+            for sample in chunk:
+                held[received] = sample
+                received += 1
+            admit()
         plan = proto.on_headers(_all_gather(pg, proto.begin_round(), spec.world, "header", spec.rank))
         if plan.done:
             return

@@ -42,7 +42,15 @@ def free_port_triple() -> int:
             continue
 
 
-def run_ranks(world: int, task: dict[str, Any], tmp_path: Path, timeout: float = 240) -> list[dict[str, Any]]:
+def run_ranks(
+    world: int, task: dict[str, Any], tmp_path: Path, timeout: float = 240, killed_ranks: int = 0
+) -> list[dict[str, Any]]:
+    """Spawn the ranks; check no tagged process and no new /dev/shm entry survives.
+
+    A SIGKILLed trainer rank cannot unlink the named semaphores of its loader's two
+    queues (3 each); under spawn they are registered with this process's resource
+    tracker, which unlinks them when it exits. ``killed_ranks`` allows exactly that.
+    """
     resource_tracker.ensure_running()  # this process's own helper must not carry the tag
     tmp_path.mkdir(parents=True, exist_ok=True)
     shm_before = set(os.listdir("/dev/shm"))
@@ -68,7 +76,8 @@ def run_ranks(world: int, task: dict[str, Any], tmp_path: Path, timeout: float =
         os.kill(pid, signal.SIGKILL)
     assert not leftovers, f"processes left behind: {described}"
     leaked = sorted(set(os.listdir("/dev/shm")) - shm_before)
-    assert not leaked, f"shared memory left behind: {leaked}"
+    semaphores = [x for x in leaked if x.startswith("sem.mp-")]
+    assert len(semaphores) <= 6 * killed_ranks and len(semaphores) == len(leaked), f"shared memory left behind: {leaked}"
     results = []
     for r in range(world):
         path = tmp_path / f"rank{r}.json"
@@ -158,7 +167,7 @@ def test_faults_raise_typed_errors_on_survivors_within_bounded_time(fault, victi
     """A killed collate process, a SIGKILLed rank, a straggler stalled past the timeout (10 s)."""
     started = time.monotonic()
     results = run_ranks(2, {"kind": "fault", "n": 400, "buffer": 4, "victim": 0, "fault": fault, "timeout": 10},
-                        tmp_path, timeout=120)
+                        tmp_path, timeout=120, killed_ranks=int(fault == "kill_rank"))
     assert time.monotonic() - started < 110
     assert results[0]["error"] == victim_error, results[0]
     assert {r["error"] for r in results[1:]} <= others, results[1:]
