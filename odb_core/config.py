@@ -33,9 +33,10 @@ class ODBConfig(BaseModel):
             chains iterations up to the sample quota (P5).
         loss_scaling: how step weights are computed (P7); ``"exact"`` is per-token.
         seed: base seed of the sampler permutation (P8).
-        target_policy: ``"paper"`` is Eq. 3 (default); ``"all-ready"`` skips the
-            round while any rank is still filling its buffer, so such ranks never
-            emit idle items (see :mod:`odb_core.alignment`).
+        target_policy: ``"all-ready"`` (default) is Eq. 3 applied only when no rank
+            is still filling its buffer (else the round is skipped), so such ranks
+            never emit idle items; ``"paper"`` is Eq. 3 as published, under which
+            they do (see :mod:`odb_core.alignment`). Both are model-checked.
         overflow_policy: which groups a rank keeps when it has more than T:
             ``"largest"`` (paper Alg. 1; ties to the oldest) or ``"oldest"``
             (group holding the longest-waiting sample first; bounds waits by D rounds).
@@ -54,7 +55,7 @@ class ODBConfig(BaseModel):
     mode: Mode = "join"
     loss_scaling: LossScaling = "exact"
     seed: int = 0
-    target_policy: TargetPolicyName = "paper"
+    target_policy: TargetPolicyName = "all-ready"
     overflow_policy: OverflowPolicyName = "largest"
     output_capacity: int | None = Field(default=None, ge=1)
     mutant: MutantName | None = None
