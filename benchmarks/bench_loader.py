@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from odb_core.distributions import sample_lengths
 from odb_core.wire import payload_bytes
-from odb_torch import ODBDataLoader
+from odb_torch import ODBDataLoader, pad_collate as pad
 
 
 class WorkDataset(Dataset):  # type: ignore[type-arg]
@@ -46,16 +46,6 @@ class WorkDataset(Dataset):  # type: ignore[type-arg]
         ids = torch.randint(0, 32000, (length,), generator=g)
         ids = (ids * 31 + 7) % 32000  # stand-in for templating/tokenization work
         return {"input_ids": ids, "labels": ids.clone(), "idx": i}
-
-
-def pad(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    width = max(len(s["input_ids"]) for s in samples)
-    ids = torch.zeros(len(samples), width, dtype=torch.long)
-    labels = torch.full((len(samples), width), -100, dtype=torch.long)
-    for k, s in enumerate(samples):
-        ids[k, : len(s["input_ids"])] = s["input_ids"]
-        labels[k, : len(s["labels"])] = s["labels"]
-    return {"input_ids": ids, "labels": labels, "real_tokens": torch.tensor(sum(len(s["input_ids"]) for s in samples))}
 
 
 def run_rank(rank: int, world: int, port: int, out: str, args: dict[str, Any]) -> None:
@@ -79,7 +69,7 @@ def run_rank(rank: int, world: int, port: int, out: str, args: dict[str, Any]) -
                 rounds[info.round] = rounds.get(info.round, 0) + 1
                 if not info.is_idle:
                     samples += info.local_samples
-                    real += int(batch["real_tokens"])
+                    real += int((batch["labels"] != -100).sum())
                     padded += batch["input_ids"].numel()
             loader.close()
         else:
@@ -90,7 +80,7 @@ def run_rank(rank: int, world: int, port: int, out: str, args: dict[str, Any]) -
                 first = first or time.perf_counter() - t0
                 steps += 1
                 samples += batch["input_ids"].shape[0]
-                real += int(batch["real_tokens"])
+                real += int((batch["labels"] != -100).sum())
                 padded += batch["input_ids"].numel()
         dist.barrier()
         seconds = time.perf_counter() - t0

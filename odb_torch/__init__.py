@@ -1,6 +1,6 @@
 """ODB's PyTorch adapter: the production DataLoader over :mod:`odb_core`.
 
-``from odb_torch import ODBDataLoader``. Importing this package does not import
+``from odb_torch import ODBDataLoader, pad_collate``. Importing this package does not import
 torch until the loader is used, so the ``odb`` command's core-only subcommands
 stay light.
 """
@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from odb_torch.collate import pad_collate
     from odb_torch.loader import ODBDataLoader
     from odb_torch.step_info import StepInfo
 
-__all__ = ["ODBDataLoader", "StepInfo"]
+__all__ = ["ODBDataLoader", "StepInfo", "pad_collate"]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,6 +22,10 @@ def __getattr__(name: str) -> Any:
         from odb_torch.loader import ODBDataLoader
 
         return ODBDataLoader
+    if name == "pad_collate":
+        from odb_torch.collate import pad_collate
+
+        return pad_collate
     if name == "StepInfo":
         from odb_torch.step_info import StepInfo
 

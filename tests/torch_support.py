@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from odb_torch import ODBDataLoader
+from odb_torch import ODBDataLoader, pad_collate
 
 
 def sample_length(i: int) -> int:
@@ -42,19 +42,6 @@ class ToyDataset(Dataset):  # type: ignore[type-arg]
         if self.fail.get(i) == "nolength":
             del sample["input_ids"]
         return sample
-
-
-def pad_collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest sample; labels padded with -100."""
-    if any(s["idx"] < 0 for s in samples):
-        raise RuntimeError("negative idx")
-    width = max(len(s["input_ids"]) for s in samples)
-    ids = torch.zeros(len(samples), width, dtype=torch.long)
-    labels = torch.full((len(samples), width), -100, dtype=torch.long)
-    for k, s in enumerate(samples):
-        ids[k, : len(s["input_ids"])] = s["input_ids"]
-        labels[k, : len(s["labels"])] = s["labels"]
-    return {"input_ids": ids, "labels": labels, "idx": torch.tensor([s["idx"] for s in samples])}
 
 
 def tuple_collate(samples: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
