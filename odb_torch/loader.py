@@ -32,7 +32,9 @@ class ODBDataLoader:
     Each yielded batch is exactly what ``collate_fn`` returned for one token-budgeted
     group (P3); every rank yields the same number of batches per epoch (P2), idle
     ranks getting zero-weight batches (``step_info.is_idle``, ``loss_scale == 0``)
-    unless ``skip_idle=True`` (for trainers using torch's ``Join``). In join mode
+    unless ``skip_idle=True`` (for trainers using torch's ``Join``). Leaving an epoch
+    early (``break``) and iterating again restarts the collate process, so no stale
+    batch carries over; do it at the same step on every rank. In join mode
     every sampler view is yielded once per epoch (P4). Multiply the local mean loss
     by ``loader.step_info.loss_scale`` before ``backward()`` for the exact per-token
     gradient (P7).
@@ -117,6 +119,7 @@ class ODBDataLoader:
         self._consumed: list[int] = []  # sampler positions yielded this epoch
         self._steps = 0  # steps (idle included) consumed this epoch
         self._resume: tuple[int, list[int], int] | None = None
+        self._epoch_open = False  # an iteration started and has not reached its "end" record
 
     @property
     def step_info(self) -> StepInfo:
@@ -154,6 +157,10 @@ class ODBDataLoader:
         self._proc.start()
 
     def __iter__(self) -> Iterator[Any]:
+        if self._epoch_open:
+            # the previous iteration was abandoned mid-epoch (break): the collate process
+            # is still in that epoch and its queued batches are stale, so restart it
+            self.close()
         if self._proc is None:
             self._start()
         elif not self._proc.is_alive():
@@ -167,6 +174,7 @@ class ODBDataLoader:
         self._resume = None
         self._consumed, self._steps = list(skip), first_step
         self._ctrl.put(("epoch", epoch, skip, first_step))
+        self._epoch_open = True
         last = time.monotonic()
         while True:
             try:
@@ -187,6 +195,7 @@ class ODBDataLoader:
             last = time.monotonic()
             kind = item[0]
             if kind == "end":
+                self._epoch_open = False
                 return
             if kind == "error":
                 self._fail(getattr(odb_errors, item[1], CollateProcessError)(item[2]))
@@ -205,6 +214,7 @@ class ODBDataLoader:
     def close(self, timeout: float = 10.0) -> None:
         """Stop the collate process (and its workers); idempotent."""
         proc, self._proc = self._proc, None
+        self._epoch_open = False
         if proc is None:
             return
         if proc.is_alive():

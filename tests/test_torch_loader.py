@@ -155,6 +155,17 @@ def test_resume_mid_epoch_emits_exactly_the_rest(stop_after, tmp_path):
     assert set(ids) == set(range(n)) and len(ids) == 2 * math.ceil(n / 2), "a view was lost or repeated"
 
 
+def test_abandoned_epoch_does_not_leak_stale_batches_into_the_next(tmp_path):
+    n = 120
+    results = run_ranks(2, {"kind": "abandon", "n": n, "buffer": 8}, tmp_path)
+    for r in results:
+        assert "error" not in r, r
+    assert all(epoch == 1 for r in results for epoch, _ in r["epoch1"]), "a batch of epoch 0 leaked into epoch 1"
+    ids = [i for r in results for _, batch in r["epoch1"] for i in batch]
+    assert set(ids) == set(range(n)) and len(ids) == n, "epoch 1 must be a whole epoch"
+    assert len({len(r["epoch1"]) for r in results}) == 1
+
+
 @pytest.mark.parametrize(
     ("fault", "victim_error", "others"),
     [

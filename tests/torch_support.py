@@ -127,6 +127,13 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
                 loader.load_state_dict(state)
                 after = [list(loader.step_info.indices) for _ in loader]
                 result.update(before=before, after=after)
+            elif task["kind"] == "abandon":
+                loader.set_epoch(0)
+                for k, _ in enumerate(loader):
+                    if k == 1:
+                        break  # e.g. max_steps reached mid-epoch
+                loader.set_epoch(1)
+                result["epoch1"] = [(loader.step_info.epoch, list(loader.step_info.indices)) for _ in loader]
             elif task["kind"] == "fault":
                 loader.set_epoch(0)
                 for k, _ in enumerate(loader):
