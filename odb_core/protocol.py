@@ -213,7 +213,7 @@ class RankProtocol:
             self._groups = group_sorted(order, self._length, self.config.token_budget)
         else:
             status, self._groups = Status.WAITING, []
-        self._candidates = [list(g) for g in self._groups]
+        self._candidates = self._groups  # replaced, never mutated, by the round; copied on read
         self._header = Header(
             iteration=self.iteration,
             round=self.round,

@@ -138,9 +138,10 @@ def simulate(
         result.shards.append(shards)
         return [RankProtocol(config, r, world, shards[r], iteration) for r in range(world)]
 
-    def trace(label: str, protos: list[RankProtocol], packing: Packing | None = None) -> None:
+    def trace(label: str, protos: list[RankProtocol], grouped: list[RankProtocol] | None = None) -> None:
+        """Report a state change; ``grouped``: the ranks whose candidate groups the gather used."""
         if tracer is not None:
-            tracer(label, protos, cursor, packing or [])
+            tracer(label, protos, cursor, [p.candidates for p in grouped] if grouped else [])
 
     iteration = 0
     protos = start(iteration)
@@ -157,10 +158,9 @@ def simulate(
         if cursor.done:
             break
         # a non-join logical iteration ended before the quota: chain the next one
-        packing = [p.candidates for p in protos]
         if config.mutant == "no-chain":
             cursor.done = True
-            trace("Gather", protos, packing)
+            trace("Gather", protos, protos)
             break
         if consumed == 0:
             empty = [r for r, p in enumerate(protos) if not p.views]
@@ -169,10 +169,10 @@ def simulate(
                 + (f" (ranks {empty} have no views)" if empty else "")
             )
         iteration += 1
-        protos = start(iteration)
+        ended_protos, protos = protos, start(iteration)
         result.final_states = protos
         cursor.rounds, cursor.last_out = 0, [()] * world
-        trace("Gather", protos, packing)
+        trace("Gather", protos, ended_protos)
     if cursor.quota is not None:
         result.quota_emitted, result.max_step_samples = cursor.quota.emitted, cursor.quota.max_step
     result.seconds = time.perf_counter() - started
@@ -189,7 +189,7 @@ def _run_iteration(
     cursor: Cursor,
     limit: int,
     observer: Observer | None,
-    trace: Callable[[str, list[RankProtocol], Packing | None], None],
+    trace: Callable[[str, list[RankProtocol], list[RankProtocol] | None], None],
 ) -> int:
     """Rounds until the logical iteration ends or the quota is reached; returns the
     global samples consumed. The ending gather of a non-join iteration is traced by
@@ -216,10 +216,10 @@ def _run_iteration(
         if ended:
             if cursor.quota is None:
                 cursor.done = True
-                trace("Gather", protos, [p.candidates for p in protos])
+                trace("Gather", protos, protos)
             return consumed
-        trace("Gather", protos, [p.candidates for p in protos])
-        if not steps[0] and not cursor.last_out[0]:
+        trace("Gather", protos, protos)
+        if not cursor.last_out[0]:  # T = 0
             result.skip_rounds += 1
         for r in range(world):
             result.steps[r].extend(steps[r])
