@@ -14,13 +14,15 @@ from fractions import Fraction
 ZERO = Fraction(0)
 
 
-def step_weights(
+def rank_weight(
     mode: str,
     samples: Sequence[int],
     tokens: Sequence[int],
     mean_tokens: Sequence[Fraction],
-) -> list[Fraction]:
-    """Per-rank weights of one step.
+    rank: int,
+) -> Fraction:
+    """Rank ``rank``'s weight of one step (what a rank needs; one division, integers
+    where the mode allows).
 
     Args:
         mode: ``"exact"`` w_r = t_r / sum t (the only per-token-exact choice, Eq. 5);
@@ -33,18 +35,26 @@ def step_weights(
     A step whose denominator is zero (no tokens at all in ``"exact"``) gets all-zero
     weights: it contributes no gradient.
     """
-    world = len(samples)
+    if mode == "none":
+        return Fraction(1, len(samples)) if samples[rank] else ZERO
     if mode == "exact":
-        basis = [Fraction(t) for t in tokens]
-    elif mode == "sample":
-        basis = [Fraction(n) for n in samples]
-    elif mode == "approx":
-        basis = [n * m for n, m in zip(samples, mean_tokens)]
-    elif mode == "none":
-        return [Fraction(1, world) if n else ZERO for n in samples]
-    else:
-        raise ValueError(f"unknown loss scaling mode {mode!r}")
-    total = sum(basis, ZERO)
-    if total == 0:
-        return [ZERO] * world
-    return [b / total for b in basis]
+        total = sum(tokens)
+        return Fraction(tokens[rank], total) if total else ZERO
+    if mode == "sample":
+        total = sum(samples)
+        return Fraction(samples[rank], total) if total else ZERO
+    if mode == "approx":
+        estimate = sum((n * m for n, m in zip(samples, mean_tokens)), ZERO)
+        return samples[rank] * mean_tokens[rank] / estimate if estimate else ZERO
+    raise ValueError(f"unknown loss scaling mode {mode!r}")
+
+
+def step_weights(
+    mode: str,
+    samples: Sequence[int],
+    tokens: Sequence[int],
+    mean_tokens: Sequence[Fraction],
+) -> list[Fraction]:
+    """Every rank's weight of one step (:func:`rank_weight` for each rank); they sum to
+    exactly one whenever the step's denominator is positive (P7)."""
+    return [rank_weight(mode, samples, tokens, mean_tokens, r) for r in range(len(samples))]

@@ -27,7 +27,7 @@ from odb_core.alignment import MUTANT_TARGETS, TARGET_POLICIES, align
 from odb_core.config import ODBConfig
 from odb_core.errors import InvalidSampleError, PeerInconsistencyError, ProtocolStateError
 from odb_core.grouping import check_length, group_sorted
-from odb_core.loss import step_weights
+from odb_core.loss import rank_weight
 from odb_core.wire import Header, Status, decode_headers, decode_steps, encode_steps
 
 
@@ -269,12 +269,13 @@ class RankProtocol:
         per_rank = decode_steps(gathered, self._headers, target)
         if [v for pair in per_rank[self.rank] for v in pair] != self._step_vector:
             raise PeerInconsistencyError(f"rank {self.rank}: gathered step vector differs from the one sent")
-        mean_tokens = [Fraction(h.tokens, h.samples) if h.samples else Fraction(0) for h in self._headers]
+        mean_tokens = ([Fraction(h.tokens, h.samples) if h.samples else Fraction(0) for h in self._headers]
+                       if self.config.loss_scaling == "approx" else [])
         steps: list[Step] = []
         for i, group in enumerate(self._pending):
             samples = [per_rank[r][i][0] for r in range(self.world)]
             tokens = [per_rank[r][i][1] for r in range(self.world)]
-            weights = step_weights(self.config.loss_scaling, samples, tokens, mean_tokens)
+            weight = rank_weight(self.config.loss_scaling, samples, tokens, mean_tokens, self.rank)
             lengths = tuple(self._length[p] for p in group)
             for p in group:
                 self.max_wait_rounds = max(self.max_wait_rounds, self.round - self._arrival_round[p])
@@ -291,7 +292,7 @@ class RankProtocol:
                     global_samples=sum(samples),
                     local_tokens=tokens[self.rank],
                     global_tokens=sum(tokens),
-                    weight=weights[self.rank],
+                    weight=weight,
                     world=self.world,
                     over_budget=sum(1 for n in lengths if n > self.config.token_budget),
                 )
