@@ -11,6 +11,8 @@ lists and tuples are packed, anything else travels as is.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +57,17 @@ class IndexedDataset(Dataset):  # type: ignore[type-arg]
                                   f"{type(exc).__name__}: {exc}") from None
 
 
+def _map_leaves(x: Any, leaf: Callable[[Any], Any]) -> Any:
+    """Apply ``leaf`` to every leaf inside dicts, lists and (plain) tuples."""
+    if isinstance(x, dict):
+        return type(x)((k, _map_leaves(v, leaf)) for k, v in x.items())
+    if isinstance(x, list):
+        return [_map_leaves(v, leaf) for v in x]
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(_map_leaves(v, leaf) for v in x)
+    return leaf(x)
+
+
 def pack(samples: list[Any]) -> PackedChunk:
     """Worker side (the DataLoader's collate_fn): pack a chunk's tensors per dtype."""
     pieces: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -66,15 +79,9 @@ def pack(samples: list[Any]) -> PackedChunk:
             pieces.setdefault(x.dtype, []).append(x.reshape(-1))
             sizes[x.dtype] = offset + x.numel()
             return _Slot(x.dtype, offset, tuple(x.shape))
-        if isinstance(x, dict):
-            return type(x)((k, strip(v)) for k, v in x.items())
-        if isinstance(x, list):
-            return [strip(v) for v in x]
-        if isinstance(x, tuple) and not hasattr(x, "_fields"):
-            return tuple(strip(v) for v in x)
         return x
 
-    skeletons = [strip(s) for s in samples]
+    skeletons = [_map_leaves(s, strip) for s in samples]
     return PackedChunk(skeletons, {dt: torch.cat(ts) for dt, ts in pieces.items()})
 
 
@@ -82,16 +89,7 @@ def unpack(chunk: PackedChunk) -> list[Any]:
     """Collate-process side: rebuild the samples, their tensors as views of the chunk's buffers."""
     def fill(x: Any) -> Any:
         if isinstance(x, _Slot):
-            n = 1
-            for d in x.shape:
-                n *= d
-            return chunk.buffers[x.dtype][x.offset : x.offset + n].view(x.shape)
-        if isinstance(x, dict):
-            return type(x)((k, fill(v)) for k, v in x.items())
-        if isinstance(x, list):
-            return [fill(v) for v in x]
-        if isinstance(x, tuple) and not hasattr(x, "_fields"):
-            return tuple(fill(v) for v in x)
+            return chunk.buffers[x.dtype][x.offset : x.offset + math.prod(x.shape)].view(x.shape)
         return x
 
-    return [fill(s) for s in chunk.skeletons]
+    return [_map_leaves(s, fill) for s in chunk.skeletons]
