@@ -132,6 +132,7 @@ def test_exact_loss_scaling_matches_per_token_reference_gradient(world, tmp_path
         ({"14": "getitem"}, {}, "SampleLoadError", "dataset index 14"),
         ({"14": "nolength"}, {}, "InvalidSampleError", "sample 14"),
         ({}, {"collate": "failing"}, "CollateFnError", "13"),
+        ({"14": "die"}, {"workers": 1}, "SampleLoadError", "exited unexpectedly"),
     ],
 )
 def test_bad_input_raises_typed_errors_on_every_rank(fail, extra, owner_error, needle, tmp_path):
@@ -202,3 +203,13 @@ def test_collate_fn_may_return_a_tuple_or_a_tensor(collate, tmp_path):
     steps = result["epochs"][0]
     assert sorted(i for s in steps for i in s["ids"]) == list(range(30))
     assert all(s["shape"][0] == len(s["ids"]) for s in steps)
+
+
+def test_zero_length_sample_is_emitted_not_dropped(tmp_path):
+    """A zero-length sample counts as length 1 for grouping and reaches the trainer (P4)."""
+    task = {"kind": "audit", "n": 40, "epochs": 1, "fail": {"14": "empty", "15": "empty"}}
+    results = run_ranks(2, task, tmp_path)
+    for r in results:
+        assert "error" not in r, r
+    ids = [i for r in results for s in r["epochs"][0] for i in s["ids"]]
+    assert sorted(ids) == list(range(40)), "every sample, the empty ones included, is emitted once"

@@ -34,7 +34,9 @@ class ToyDataset(Dataset):  # type: ignore[type-arg]
     def __getitem__(self, i: int) -> dict[str, Any]:
         if self.fail.get(i) == "getitem":
             raise ValueError(f"corrupt record {i}")
-        length = sample_length(i)
+        if self.fail.get(i) == "die" and torch.utils.data.get_worker_info() is not None:
+            os.kill(os.getpid(), 9)  # a DataLoader worker dies mid-epoch
+        length = 0 if self.fail.get(i) == "empty" else sample_length(i)
         ids = (torch.arange(length) * (i + 3)) % 50
         labels = ids.clone()
         labels[: length // 3] = -100
