@@ -26,26 +26,17 @@ from torch.utils.data import DataLoader, Dataset
 from odb_core import ODBConfig, ODBError, RankProtocol
 from odb_core.errors import CollateFnError, InvalidSampleError, PeerError, SampleLoadError
 from odb_torch.step_info import StepInfo
-from odb_torch.transport import IndexedDataset, pack, unpack
+from odb_torch.transport import IndexedDataset, Packer, unpack
 
 
-def default_length(sample: Any) -> int:
-    """``len(sample["input_ids"])``."""
-    return len(sample["input_ids"])
+MAX_CHUNK = 64
+"""At most this many consecutive sampler views are loaded and shipped as one packed chunk."""
 
 
-def default_loss_tokens(sample: Any, length: int) -> int:
-    """Labels != -100 when the sample has ``labels``, else its length."""
-    if isinstance(sample, dict) and "labels" in sample:
-        labels = sample["labels"]
-        if isinstance(labels, torch.Tensor):
-            return int((labels != -100).sum())
-        return sum(1 for x in labels if x != -100)
-    return length
-
-
-CHUNK = 16
-"""Consecutive sampler views a worker loads and ships as one packed chunk."""
+def chunk_size(config: ODBConfig, num_workers: int) -> int:
+    """Views per chunk: large enough to amortise the per-chunk transfer, small enough that
+    every worker has chunks in flight within the buffer (1..MAX_CHUNK)."""
+    return max(1, min(MAX_CHUNK, config.buffer_size // (2 * max(num_workers, 1))))
 
 
 @dataclass
@@ -98,7 +89,7 @@ def _await_stop(ctrl: Any, parent: int) -> None:
 
 
 class _ViewDataset(Dataset):  # type: ignore[type-arg]
-    """Position -> sample of this rank's views (so batch_sampler chunks are positions)."""
+    """Position -> (dataset index, sample) of this rank's views (batch_sampler chunks are positions)."""
 
     def __init__(self, dataset: Dataset[Any], views: list[int]) -> None:
         self.dataset, self.views = dataset, views
@@ -106,8 +97,8 @@ class _ViewDataset(Dataset):  # type: ignore[type-arg]
     def __len__(self) -> int:
         return len(self.views)
 
-    def __getitem__(self, pos: int) -> Any:
-        return self.dataset[self.views[pos]]
+    def __getitem__(self, pos: int) -> tuple[int, Any]:
+        return self.views[pos], self.dataset[self.views[pos]]
 
 
 def _views(spec: CollateSpec, sampler: Any, epoch: int) -> list[int]:
@@ -141,19 +132,6 @@ def _all_gather(pg: Any, values: list[int], world: int, what: str, rank: int) ->
     return [t.tolist() for t in out]
 
 
-def _measure(spec: CollateSpec, sample: Any, index: int) -> tuple[int, int]:
-    try:
-        length = (spec.length_fn or default_length)(sample)
-    except Exception as exc:
-        raise InvalidSampleError(f"rank {spec.rank}: sample {index} has no length "
-                                 f"({type(exc).__name__}: {exc}); pass length_fn") from None
-    if spec.loss_tokens_fn is not None:
-        tokens = spec.loss_tokens_fn(sample)
-    else:
-        tokens = default_loss_tokens(sample, length)
-    return int(length) if isinstance(length, torch.Tensor) else length, int(tokens)
-
-
 def run_epoch(
     spec: CollateSpec, pg: Any, sampler: Any, epoch: int, out: Any, parent: int, ctrl: Any,
     skip: frozenset[int] = frozenset(), first_step: int = 0,
@@ -167,16 +145,18 @@ def run_epoch(
     kept = [pos for pos in range(len(order)) if pos not in skip]
     views = [order[pos] for pos in kept]
     proto = RankProtocol(spec.config, spec.rank, spec.world, views, iteration=epoch)
-    chunks = [list(range(k, min(k + CHUNK, len(views)))) for k in range(0, len(views), CHUNK)]
+    size = chunk_size(spec.config, spec.num_workers)
+    chunks = [list(range(k, min(k + size, len(views)))) for k in range(0, len(views), size)]
     loader = DataLoader(
-        _ViewDataset(IndexedDataset(spec.dataset, spec.rank), views), batch_sampler=chunks, collate_fn=pack,
+        _ViewDataset(IndexedDataset(spec.dataset, spec.rank), views), batch_sampler=chunks,
+        collate_fn=Packer(spec.rank, spec.length_fn, spec.loss_tokens_fn),
         num_workers=spec.num_workers,
         prefetch_factor=spec.prefetch_factor if spec.num_workers else None,
         multiprocessing_context=spec.worker_start_method if spec.num_workers else None,
     )
     it = iter(loader)
     samples: dict[int, Any] = {}  # B: position -> sample
-    held: dict[int, Any] = {}  # loaded ahead of the core's fetch (still in R for the protocol)
+    held: dict[int, tuple[Any, tuple[int, int]]] = {}  # loaded ahead of the core's fetch (still in R)
     received = 0
     template: Any = None
     step = first_step
@@ -186,8 +166,7 @@ def run_epoch(
         nonlocal template
         proto.fetch()
         for pos in sorted(p for p in held if p < proto.next_position):
-            sample = held.pop(pos)
-            length, tokens = _measure(spec, sample, views[pos])
+            sample, (length, tokens) = held.pop(pos)
             proto.arrive(pos, length, tokens)
             samples[pos] = sample
             template = sample if template is None else template
@@ -198,14 +177,15 @@ def run_epoch(
         # means some fetched view has not arrived yet
         while len(samples) < spec.config.buffer_size and received < proto.next_position:
             try:
-                chunk = unpack(next(it))
-            except SampleLoadError:
+                packed = next(it)
+            except (SampleLoadError, InvalidSampleError):
                 raise
             except Exception as exc:
-                raise SampleLoadError(f"rank {spec.rank}: loading dataset indices {views[received:received + CHUNK]} "
+                raise SampleLoadError(f"rank {spec.rank}: loading dataset indices {views[received:received + size]} "
                                       f"failed: {type(exc).__name__}: {exc}") from None
-            for sample in chunk:
-                held[received] = sample
+            assert packed.measures is not None
+            for sample, measure in zip(unpack(packed), packed.measures):
+                held[received] = (sample, measure)
                 received += 1
             admit()
         plan = proto.on_headers(_all_gather(pg, proto.begin_round(), spec.world, "header", spec.rank))

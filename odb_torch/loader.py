@@ -52,6 +52,10 @@ class ODBDataLoader:
             MASTER_PORT+1``, or a free local port when alone; env ``ODB_COLLATE_PORT``).
         timeout: seconds before a silent collate process or peer is an error.
         start_method: how the collate process starts: spawn, forkserver or fork.
+        worker_start_method: how the collate process starts its DataLoader workers
+            (default ``fork`` where available: the collate process is a fresh process
+            that has touched no CUDA, so forking it is safe and skips re-importing torch
+            and re-pickling the dataset per worker; else ``spawn``).
         rank, world_size: default from the initialised process group, else env.
     """
 
@@ -77,6 +81,7 @@ class ODBDataLoader:
         init_method: str | None = None,
         timeout: float = 300.0,
         start_method: str = "spawn",
+        worker_start_method: str | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         queue_size: int = 8,
@@ -105,7 +110,8 @@ class ODBDataLoader:
             dataset=dataset, collate_fn=collate_fn or default_collate, length_fn=length_fn,
             loss_tokens_fn=loss_tokens_fn, config=self.config, rank=rank, world=world_size,
             init_method=init_method, timeout=timeout, num_workers=num_workers,
-            prefetch_factor=prefetch_factor, worker_start_method=start_method,
+            prefetch_factor=prefetch_factor,
+            worker_start_method=worker_start_method or ("fork" if "fork" in tmp.get_all_start_methods() else "spawn"),
         )
         self.skip_idle = skip_idle
         self.timeout = timeout

@@ -3,14 +3,18 @@
 ODB needs samples one by one (their lengths drive the grouping), but sharing each
 sample's tensors separately costs one socket round trip per tensor under torch's
 default ``file_descriptor`` strategy (about 0.5 ms each, measured). Workers therefore
-load a chunk of consecutive sampler views and pack every tensor of the chunk into one
-flat tensor per dtype; the collate process unpacks them into views of that storage.
-Samples keep their structure, values, dtypes and shapes; only tensors inside dicts,
-lists and tuples are packed, anything else travels as is.
+load a chunk of consecutive sampler views, measure each sample (length and loss
+tokens, in parallel across workers), and pack every tensor of the chunk into one flat
+buffer per dtype: plain bytes through the pipe when the chunk is small (no shared
+memory, no fd passing), a shared-memory tensor when it is large. The collate process
+unpacks them into views of that buffer. Samples keep their structure, values, dtypes
+and shapes; only tensors inside dicts, lists and tuples are packed, anything else
+travels as is.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +23,10 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from odb_core.errors import SampleLoadError
+from odb_core.errors import InvalidSampleError, SampleLoadError
+
+INLINE_BYTES = 4 << 20
+"""Chunks whose tensors total at most this many bytes travel by value through the pipe."""
 
 
 @dataclass(frozen=True)
@@ -36,7 +43,8 @@ class PackedChunk:
     """A chunk of samples with their tensors moved into one flat tensor per dtype."""
 
     skeletons: list[Any]
-    buffers: dict[torch.dtype, torch.Tensor]
+    buffers: dict[torch.dtype, torch.Tensor | bytes]
+    measures: list[tuple[int, int]] | None = None
 
 
 class IndexedDataset(Dataset):  # type: ignore[type-arg]
@@ -82,14 +90,74 @@ def pack(samples: list[Any]) -> PackedChunk:
         return x
 
     skeletons = [_map_leaves(s, strip) for s in samples]
-    return PackedChunk(skeletons, {dt: torch.cat(ts) for dt, ts in pieces.items()})
+    flat = {dt: torch.cat(ts) for dt, ts in pieces.items()}
+    if sum(t.numel() * t.element_size() for t in flat.values()) <= INLINE_BYTES:
+        return PackedChunk(skeletons, {dt: ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
+                                       for dt, t in flat.items()})
+    return PackedChunk(skeletons, dict(flat))
+
+
+def _tensor(buffer: torch.Tensor | bytes, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(buffer, torch.Tensor):
+        return buffer
+    if not buffer:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(bytearray(buffer), dtype=dtype)  # a writable copy the samples own
 
 
 def unpack(chunk: PackedChunk) -> list[Any]:
     """Collate-process side: rebuild the samples, their tensors as views of the chunk's buffers."""
+    flat = {dt: _tensor(b, dt) for dt, b in chunk.buffers.items()}
+
     def fill(x: Any) -> Any:
         if isinstance(x, _Slot):
-            return chunk.buffers[x.dtype][x.offset : x.offset + math.prod(x.shape)].view(x.shape)
+            return flat[x.dtype][x.offset : x.offset + math.prod(x.shape)].view(x.shape)
         return x
 
     return [_map_leaves(s, fill) for s in chunk.skeletons]
+
+
+def default_length(sample: Any) -> int:
+    """``len(sample["input_ids"])``."""
+    return len(sample["input_ids"])
+
+
+def default_loss_tokens(sample: Any, length: int) -> int:
+    """Labels != -100 when the sample has ``labels``, else its length."""
+    if isinstance(sample, dict) and "labels" in sample:
+        labels = sample["labels"]
+        if isinstance(labels, torch.Tensor):
+            return int((labels != -100).sum())
+        return sum(1 for x in labels if x != -100)
+    return length
+
+
+@dataclass
+class Packer:
+    """The workers' ``collate_fn``: measures each ``(index, sample)`` of a chunk, then packs it.
+
+    A sample whose length cannot be taken raises :class:`InvalidSampleError` naming its
+    dataset index (it reaches the collate process as that type).
+    """
+
+    rank: int
+    length_fn: Callable[[Any], int] | None = None
+    loss_tokens_fn: Callable[[Any], int] | None = None
+
+    def measure(self, sample: Any, index: int) -> tuple[int, int]:
+        try:
+            length = (self.length_fn or default_length)(sample)
+        except Exception as exc:
+            raise InvalidSampleError(f"rank {self.rank}: sample {index} has no length "
+                                     f"({type(exc).__name__}: {exc}); pass length_fn") from None
+        if self.loss_tokens_fn is not None:
+            tokens = self.loss_tokens_fn(sample)
+        else:
+            tokens = default_loss_tokens(sample, length)
+        return int(length), int(tokens)
+
+    def __call__(self, items: list[tuple[int, Any]]) -> PackedChunk:
+        measures = [self.measure(sample, index) for index, sample in items]
+        chunk = pack([sample for _, sample in items])
+        chunk.measures = measures
+        return chunk

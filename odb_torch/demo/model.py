@@ -1,0 +1,71 @@
+"""A small causal transformer built from a config (no weights are downloaded)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of :class:`TinyCausalLM`."""
+
+    vocab_size: int = 4096
+    max_length: int = 1024
+    d_model: int = 96
+    n_layers: int = 2
+    n_heads: int = 4
+    seed: int = 0
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.out(attn)
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyCausalLM(nn.Module):
+    """Token + position embeddings, pre-norm blocks, a tied output head.
+
+    Right padding needs no attention mask under the causal mask: a real token never
+    attends to the padding after it, and padded positions carry label -100.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        torch.manual_seed(config.seed)
+        self.config = config
+        self.tok = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos = nn.Embedding(config.max_length, config.d_model)
+        self.blocks = nn.ModuleList(_Block(config.d_model, config.n_heads) for _ in range(config.n_layers))
+        self.norm = nn.LayerNorm(config.d_model)
+        for module in self.modules():  # GPT-2 style: small initial logits under the tied head
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(sum of next-token cross-entropy over loss tokens, number of loss tokens)."""
+        t = input_ids.shape[1]
+        h = self.tok(input_ids) + self.pos(torch.arange(t))
+        for block in self.blocks:
+            h = block(h)
+        logits = self.norm(h)[:, :-1] @ self.tok.weight.T
+        targets = labels[:, 1:]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               ignore_index=-100, reduction="sum")
+        return loss, int((targets != -100).sum())

@@ -1,0 +1,157 @@
+"""One demo run: W Gloo ranks (spawn) fine-tune :class:`TinyCausalLM` with one batching method.
+
+Methods, all over the same samples and the same model, optimizer and learning rate:
+
+* ``standard``: torch's DataLoader, random fixed-size batches (DistributedSampler);
+* ``sorted``: length-grouped fixed-size batches (mega-batches of 50 batches sorted by
+  length, as Hugging Face's ``group_by_length``), the batches shuffled and dealt to ranks;
+* ``odb``: :class:`~odb_torch.ODBDataLoader` with exact loss scaling (P7).
+
+The fixed batch size is ODB's expected samples per step, so all make about the same
+number of updates. Standard and Sorted use DDP's usual loss (each rank's per-token mean,
+averaged over ranks); ODB the exact global per-token mean. Every step all-reduces the
+summed loss and token counts for the log, the same for every method.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+from odb_torch.collate import pad_collate
+from odb_torch.demo.chat_data import ChatDataset
+from odb_torch.demo.model import ModelConfig, TinyCausalLM
+from odb_torch.loader import ODBDataLoader
+
+METHODS = ("standard", "sorted", "odb")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One method's run."""
+
+    method: str
+    batch_size: int
+    token_budget: int
+    buffer_size: int
+    lr: float
+    model: ModelConfig
+    seed: int = 0
+    num_workers: int = 1
+    progress: bool = True
+
+
+def shifted_loss_tokens(sample: dict[str, Any]) -> int:
+    """Loss tokens as the model counts them: labels after the first position != -100."""
+    return int((sample["labels"][1:] != -100).sum())
+
+
+class LengthGroupedBatches(Sampler[list[int]]):
+    """Fixed-size batches of similar length: shuffle, cut into mega-batches of ``50 * batch_size``,
+    sort each by length, chunk into batches, shuffle the batches, deal them round-robin to ranks.
+    The batch count is padded to a multiple of the world size by repeating the first batches
+    (as DistributedSampler pads views), so every rank runs the same number of steps.
+    """
+
+    def __init__(self, lengths: list[int], batch_size: int, rank: int, world: int, seed: int) -> None:
+        rng = random.Random(seed)
+        order = list(range(len(lengths)))
+        rng.shuffle(order)
+        mega = 50 * batch_size
+        batches: list[list[int]] = []
+        for k in range(0, len(order), mega):
+            chunk = sorted(order[k:k + mega], key=lambda i: -lengths[i])
+            batches += [chunk[j:j + batch_size] for j in range(0, len(chunk), batch_size)]
+        rng.shuffle(batches)
+        batches += batches[: (-len(batches)) % world]
+        self.batches = batches[rank::world]
+
+    def __iter__(self) -> Any:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def _loader(cfg: RunConfig, data: ChatDataset, rank: int, world: int, port: int) -> tuple[Any, int]:
+    """The method's loader and its number of steps per rank (ODB: unknown, -1)."""
+    if cfg.method == "odb":
+        odb = ODBDataLoader(data, token_budget=cfg.token_budget, collate_fn=pad_collate, buffer_size=cfg.buffer_size,
+                            num_workers=cfg.num_workers, seed=cfg.seed, loss_tokens_fn=shifted_loss_tokens,
+                            init_method=f"tcp://127.0.0.1:{port + 1}")
+        return odb, -1
+    if cfg.method == "sorted":
+        sampler = LengthGroupedBatches(data.lengths(), cfg.batch_size, rank, world, cfg.seed)
+        return DataLoader(data, batch_sampler=sampler, collate_fn=pad_collate, num_workers=cfg.num_workers,
+                          multiprocessing_context="spawn"), len(sampler)
+    dist_sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
+    plain = DataLoader(data, batch_size=cfg.batch_size, sampler=dist_sampler, collate_fn=pad_collate,
+                       num_workers=cfg.num_workers, multiprocessing_context="spawn")
+    return plain, len(plain)
+
+
+def _bar(name: str, done: int, total: int, started: float) -> None:
+    width = 30
+    filled = int(width * min(done, total) / max(total, 1))
+    rate = done / max(time.perf_counter() - started, 1e-9)
+    sys.stderr.write(f"\r{name:>8} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} samples {rate:6.1f}/s")
+    sys.stderr.flush()
+
+
+def run_rank(rank: int, world: int, port: int, cfg: RunConfig, data: ChatDataset, out: str) -> None:
+    """Train one epoch of ``data`` with ``cfg.method``; rank 0 writes the run's log to ``out``."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+    model = torch.nn.parallel.DistributedDataParallel(TinyCausalLM(cfg.model))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    dist.barrier()
+    started = time.perf_counter()
+    loader, _ = _loader(cfg, data, rank, world, port)
+    log: list[dict[str, float]] = []
+    seen = real = padded = 0
+    try:
+        for batch in loader:
+            ids, labels = batch["input_ids"], batch["labels"]
+            loss_sum, tokens = model(ids, labels)
+            if cfg.method == "odb":
+                info = loader.step_info
+                local = 0 if info.is_idle else info.local_samples
+                # exact global per-token mean: local mean x loss_scale (P7); DDP averages over W
+                (loss_sum / max(info.local_tokens, 1) * info.loss_scale).backward()
+            else:
+                local = ids.shape[0]
+                (loss_sum / max(tokens, 1)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            lengths = int((ids != 0).sum()) if local else 0
+            stats = torch.tensor([float(loss_sum.detach()) if local else 0.0, tokens if local else 0, local,
+                                  lengths, ids.numel() if local else 0], dtype=torch.float64)
+            dist.all_reduce(stats)
+            seen += int(stats[2])
+            real += int(stats[3])
+            padded += int(stats[4])
+            log.append({"samples": seen, "loss": float(stats[0] / max(stats[1], 1)), "tokens": float(stats[1]),
+                        "step_samples": float(stats[2])})
+            if rank == 0 and cfg.progress:
+                _bar(cfg.method, seen, len(data), started)
+    finally:
+        if cfg.method == "odb":
+            loader.close()
+    seconds = time.perf_counter() - started
+    if rank == 0:
+        if cfg.progress:
+            sys.stderr.write("\n")
+        Path(out).write_text(json.dumps({"config": asdict(cfg), "seconds": seconds, "samples": seen,
+                                         "real_tokens": real, "padded_tokens": padded, "log": log}))
+    dist.destroy_process_group()
