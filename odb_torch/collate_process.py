@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 import traceback
 from urllib.parse import urlparse
 from collections.abc import Callable
@@ -55,6 +56,7 @@ class CollateSpec:
     num_workers: int
     prefetch_factor: int | None
     worker_start_method: str | None
+    shuffle_steps: bool = True
 
 
 class _ParentGone(Exception):
@@ -194,6 +196,11 @@ def run_epoch(
         if plan.step_vector is None:
             continue
         steps = proto.on_steps(_all_gather(pg, plan.step_vector, spec.world, "step", spec.rank))
+        if spec.shuffle_steps and len(steps) > 1:
+            # the same permutation on every rank (it depends only on seed, epoch, round and the
+            # step count, which lockstep makes equal), so step k still pairs the same groups
+            # and keeps its loss weights (P2, P7); only the order the trainer sees changes
+            random.Random(f"{spec.config.seed}:{epoch}:{steps[0].round}:{len(steps)}").shuffle(steps)
         for s in steps:
             if s.is_idle:
                 if template is None:

@@ -48,6 +48,11 @@ class ODBDataLoader:
         length_fn: a sample's length (default ``len(sample["input_ids"])``).
         loss_tokens_fn: a sample's loss tokens (default: labels != -100 if it has
             labels, else its length).
+        shuffle_steps: emit each round's steps in a seeded order, the same on every rank
+            (default True). Groups form short-to-long inside a round; shuffling keeps a run of
+            short-sample steps from following a run of long ones, which slowed training in the
+            demo (final loss 6.12 vs 6.05 at 640 samples), and leaves pairing and loss weights as
+            they are.
         init_method: rendezvous of the collate group (default ``tcp://MASTER_ADDR:
             MASTER_PORT+1``, or a free local port when alone; env ``ODB_COLLATE_PORT``).
         timeout: seconds before a silent collate process or peer is an error.
@@ -78,6 +83,7 @@ class ODBDataLoader:
         length_fn: Callable[[Any], int] | None = None,
         loss_tokens_fn: Callable[[Any], int] | None = None,
         skip_idle: bool = False,
+        shuffle_steps: bool = True,
         init_method: str | None = None,
         timeout: float = 300.0,
         start_method: str = "spawn",
@@ -111,6 +117,7 @@ class ODBDataLoader:
             loss_tokens_fn=loss_tokens_fn, config=self.config, rank=rank, world=world_size,
             init_method=init_method, timeout=timeout, num_workers=num_workers,
             prefetch_factor=prefetch_factor,
+            shuffle_steps=shuffle_steps,
             worker_start_method=worker_start_method or ("fork" if "fork" in tmp.get_all_start_methods() else "spawn"),
         )
         self.skip_idle = skip_idle

@@ -28,9 +28,9 @@ def _free_port(span: int = 4) -> int:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "full": {"samples": 1536, "max_length": 1024, "token_budget": 4096, "buffer_size": 256,
+    "full": {"samples": 1280, "max_length": 1024, "token_budget": 4096, "buffer_size": 256, "probe": 256,
              "model": {"d_model": 96, "n_layers": 2, "n_heads": 4}, "lr": 2e-3},
-    "quick": {"samples": 96, "max_length": 256, "token_budget": 1024, "buffer_size": 32,
+    "quick": {"samples": 96, "max_length": 256, "token_budget": 1024, "buffer_size": 32, "probe": 32,
               "model": {"d_model": 32, "n_layers": 1, "n_heads": 2}, "lr": 2e-3},
 }
 
@@ -40,7 +40,7 @@ def run_demo(quick: bool = False, results: Path = Path("results"), world: int = 
              ) -> dict[str, Any]:
     """Run every method in turn (each W spawned Gloo ranks); returns the summary
     (``methods`` rows, ``config``, ``plots``) and writes it, the logs and the plots to ``results``."""
-    import torch.multiprocessing as tmp
+    from torch.multiprocessing.spawn import start_processes
 
     from odb_torch.demo.chat_data import ChatDataset
     from odb_torch.demo.model import ModelConfig
@@ -53,6 +53,7 @@ def run_demo(quick: bool = False, results: Path = Path("results"), world: int = 
     pick = list(range(len(full)))
     random.Random(seed).shuffle(pick)
     data = full.subset(sorted(pick[:n]))
+    probe = data.subset(list(range(0, n, max(1, n // preset["probe"])))[: preset["probe"]])
     lengths = data.lengths()
     # fixed batch size = ODB's expected samples per step (buffer-sized windows of this rank's share)
     groups = sum(len(form_groups(lengths[k:k + preset["buffer_size"]], preset["token_budget"]))
@@ -67,8 +68,8 @@ def run_demo(quick: bool = False, results: Path = Path("results"), world: int = 
                             buffer_size=preset["buffer_size"], lr=preset["lr"], model=model, seed=seed,
                             progress=progress)
             out = str(Path(tmpdir, f"{method}.json"))
-            tmp.start_processes(run_rank, args=(world, _free_port(), cfg, data, out), nprocs=world,
-                                start_method="spawn")
+            start_processes(run_rank, args=(world, _free_port(), cfg, data, out, probe), nprocs=world,  # type: ignore[no-untyped-call]
+                            start_method="spawn")
             runs[method] = json.loads(Path(out).read_text())
     standard = runs.get("standard")
     standard_rate = standard["samples"] / standard["seconds"] if standard else None

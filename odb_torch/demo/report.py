@@ -9,14 +9,16 @@ from typing import Any
 def summarize(name: str, run: dict[str, Any], standard_rate: float | None) -> dict[str, Any]:
     """One method's row: throughput, padding, samples per update, updates and the final loss.
 
-    ``final_loss`` is the token-weighted mean training loss over the last 10% of samples seen.
+    ``final_loss`` is the final model's per-token loss over a fixed probe of training samples
+    (the same for every method, so all are compared after the same samples seen);
+    ``tail_loss`` is the token-weighted mean training loss over the last 10% of samples seen.
     """
     log = run["log"]
     updates = len(log)
     cutoff = 0.9 * run["samples"]
     tail = [e for e in log if e["samples"] > cutoff] or log[-1:]
     tail_tokens = sum(e["tokens"] for e in tail)
-    final = sum(e["loss"] * e["tokens"] for e in tail) / max(tail_tokens, 1)
+    tail_loss = sum(e["loss"] * e["tokens"] for e in tail) / max(tail_tokens, 1)
     rate = run["samples"] / run["seconds"]
     return {
         "name": name,
@@ -27,7 +29,8 @@ def summarize(name: str, run: dict[str, Any], standard_rate: float | None) -> di
         "padding_fraction": 1 - run["real_tokens"] / max(run["padded_tokens"], 1),
         "samples_per_update": run["samples"] / max(updates, 1),
         "updates": updates,
-        "final_loss": final,
+        "final_loss": run["final_loss"],
+        "tail_loss": tail_loss,
         "speedup_vs_standard": rate / standard_rate if standard_rate else 1.0,
     }
 

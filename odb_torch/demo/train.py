@@ -16,6 +16,7 @@ summed loss and token counts for the log, the same for every method.
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 import time
@@ -44,7 +45,7 @@ class RunConfig:
     batch_size: int
     token_budget: int
     buffer_size: int
-    lr: float
+    lr: float  # peak learning rate (see lr_at)
     model: ModelConfig
     seed: int = 0
     num_workers: int = 1
@@ -83,6 +84,17 @@ class LengthGroupedBatches(Sampler[list[int]]):
         return len(self.batches)
 
 
+def lr_at(base: float, seen: int, total: int, warmup: float = 0.1) -> float:
+    """Learning rate after ``seen`` of ``total`` tokens: linear warmup over the first 10%,
+    then cosine decay to zero. It follows tokens seen, not steps or samples, so every
+    method gets the same schedule however its batches are shaped (with a per-token loss,
+    a batch of 100 greetings is not 100 samples' worth of progress)."""
+    frac = min(seen / max(total, 1), 1.0)
+    if frac < warmup:
+        return base * max(frac, 1.0 / max(total, 1)) / warmup
+    return base * 0.5 * (1 + math.cos(math.pi * (frac - warmup) / (1 - warmup)))
+
+
 def _loader(cfg: RunConfig, data: ChatDataset, rank: int, world: int, port: int) -> tuple[Any, int]:
     """The method's loader and its number of steps per rank (ODB: unknown, -1)."""
     if cfg.method == "odb":
@@ -94,7 +106,7 @@ def _loader(cfg: RunConfig, data: ChatDataset, rank: int, world: int, port: int)
         sampler = LengthGroupedBatches(data.lengths(), cfg.batch_size, rank, world, cfg.seed)
         return DataLoader(data, batch_sampler=sampler, collate_fn=pad_collate, num_workers=cfg.num_workers,
                           multiprocessing_context="spawn"), len(sampler)
-    dist_sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
+    dist_sampler: DistributedSampler[Any] = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
     plain = DataLoader(data, batch_size=cfg.batch_size, sampler=dist_sampler, collate_fn=pad_collate,
                        num_workers=cfg.num_workers, multiprocessing_context="spawn")
     return plain, len(plain)
@@ -108,7 +120,23 @@ def _bar(name: str, done: int, total: int, started: float) -> None:
     sys.stderr.flush()
 
 
-def run_rank(rank: int, world: int, port: int, cfg: RunConfig, data: ChatDataset, out: str) -> None:
+@torch.no_grad()
+def evaluate(model: TinyCausalLM, data: ChatDataset, rank: int, world: int) -> float:
+    """Per-token loss of ``model`` over all of ``data`` (ranks split it; batches of 8)."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    mine = list(range(rank, len(data), world))
+    for k in range(0, len(mine), 8):
+        batch = pad_collate([data[i] for i in mine[k:k + 8]])
+        loss, tokens = model(batch["input_ids"], batch["labels"])
+        total += torch.tensor([float(loss), tokens], dtype=torch.float64)
+    dist.all_reduce(total)
+    model.train()
+    return float(total[0]) / max(float(total[1]), 1.0)
+
+
+def run_rank(rank: int, world: int, port: int, cfg: RunConfig, data: ChatDataset, out: str,
+             probe: ChatDataset | None = None) -> None:
     """Train one epoch of ``data`` with ``cfg.method``; rank 0 writes the run's log to ``out``."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -120,18 +148,21 @@ def run_rank(rank: int, world: int, port: int, cfg: RunConfig, data: ChatDataset
     loader, _ = _loader(cfg, data, rank, world, port)
     log: list[dict[str, float]] = []
     seen = real = padded = 0
+    total_tokens = sum(data.lengths())
     try:
         for batch in loader:
             ids, labels = batch["input_ids"], batch["labels"]
+            for group in opt.param_groups:
+                group["lr"] = lr_at(cfg.lr, real, total_tokens)
             loss_sum, tokens = model(ids, labels)
             if cfg.method == "odb":
                 info = loader.step_info
                 local = 0 if info.is_idle else info.local_samples
                 # exact global per-token mean: local mean x loss_scale (P7); DDP averages over W
-                (loss_sum / max(info.local_tokens, 1) * info.loss_scale).backward()
+                (loss_sum / float(max(info.local_tokens, 1)) * info.loss_scale).backward()
             else:
                 local = ids.shape[0]
-                (loss_sum / max(tokens, 1)).backward()
+                (loss_sum / float(max(tokens, 1))).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             lengths = int((ids != 0).sum()) if local else 0
@@ -141,7 +172,7 @@ def run_rank(rank: int, world: int, port: int, cfg: RunConfig, data: ChatDataset
             seen += int(stats[2])
             real += int(stats[3])
             padded += int(stats[4])
-            log.append({"samples": seen, "loss": float(stats[0] / max(stats[1], 1)), "tokens": float(stats[1]),
+            log.append({"samples": seen, "loss": float(stats[0]) / max(float(stats[1]), 1.0), "tokens": float(stats[1]),
                         "step_samples": float(stats[2])})
             if rank == 0 and cfg.progress:
                 _bar(cfg.method, seen, len(data), started)
@@ -149,9 +180,10 @@ def run_rank(rank: int, world: int, port: int, cfg: RunConfig, data: ChatDataset
         if cfg.method == "odb":
             loader.close()
     seconds = time.perf_counter() - started
+    final = evaluate(model.module, probe, rank, world) if probe is not None else float("nan")
     if rank == 0:
         if cfg.progress:
             sys.stderr.write("\n")
-        Path(out).write_text(json.dumps({"config": asdict(cfg), "seconds": seconds, "samples": seen,
+        Path(out).write_text(json.dumps({"config": asdict(cfg), "seconds": seconds, "samples": seen, "final_loss": final,
                                          "real_tokens": real, "padded_tokens": padded, "log": log}))
     dist.destroy_process_group()
