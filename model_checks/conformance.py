@@ -277,6 +277,7 @@ STATE_SPACE_SCENARIOS = (
     Scenario("nonjoin_2x4", ((2, 3, 6, 9), (1, 1, 5, 12)), join=False),
     Scenario("join_3_uneven_cap1_oldest", ((1, 4, 8), (2, 2), (7,)), capacity=1, overflow="oldest"),
     Scenario("nonjoin_2x3_all_ready_cap1", ((0, 4, 11), (2, 2, 9)), join=False, capacity=1, policy="all-ready"),
+    Scenario("join_3_uneven_balanced", ((1, 4, 8), (2, 2, 3), (7,)), policy="balanced"),
 )
 
 
@@ -350,7 +351,7 @@ def random_scenario(rng: random.Random, seed: int, mutant: str | None = None) ->
     scenario = Scenario(
         name="trace", lengths=tuple(tuple(lengths[i] for i in views) for views in shards), budget=budget,
         buffer_size=buffer_size, depth=buffer_size + rng.randint(0, 2), capacity=rng.choice([0, 0, 1, 2]),
-        join=join, overflow=rng.choice(["largest", "oldest"]), policy=rng.choice(["paper", "all-ready"]),
+        join=join, overflow=rng.choice(["largest", "oldest"]), policy=rng.choice(["paper", "all-ready", "balanced"]),
         mutant=mutant, seed=seed, dataset_size=n,
     )
     return scenario, lengths, schedule

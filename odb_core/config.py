@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Mode = Literal["join", "non-join"]
 LossScaling = Literal["none", "sample", "approx", "exact"]
-TargetPolicyName = Literal["paper", "all-ready"]
+TargetPolicyName = Literal["paper", "all-ready", "balanced"]
 OverflowPolicyName = Literal["largest", "oldest"]
 MutantName = Literal["no-cmin", "max-groups", "drop-overflow", "early-finish", "merge-overflow", "no-chain"]
 MUTANTS: tuple[str, ...] = ("no-cmin", "max-groups", "drop-overflow", "early-finish", "merge-overflow", "no-chain")
@@ -33,10 +33,12 @@ class ODBConfig(BaseModel):
             chains iterations up to the sample quota (P5).
         loss_scaling: how step weights are computed (P7); ``"exact"`` is per-token.
         seed: base seed of the sampler permutation (P8).
-        target_policy: ``"all-ready"`` (default) is Eq. 3 applied only when no rank
-            is still filling its buffer (else the round is skipped), so such ranks
-            never emit idle items; ``"paper"`` is Eq. 3 as published, under which
-            they do (see :mod:`odb_core.alignment`). Both are model-checked.
+        target_policy: ``"balanced"`` (default) aims each round at the ceiling of the
+            mean group count over ready ranks, overflowing surplus groups to the next
+            round, and skips rounds while any rank is still filling its buffer;
+            ``"all-ready"`` aims at the max (Eq. 3) with the same skip; ``"paper"`` is
+            Eq. 3 as published, under which filling ranks emit idle items (see
+            :mod:`odb_core.alignment`). All three are model-checked.
         overflow_policy: which groups a rank keeps when it has more than T:
             ``"largest"`` (paper Alg. 1; ties to the oldest) or ``"oldest"``
             (group holding the longest-waiting sample first; bounds waits by D rounds).
@@ -55,7 +57,7 @@ class ODBConfig(BaseModel):
     mode: Mode = "join"
     loss_scaling: LossScaling = "exact"
     seed: int = 0
-    target_policy: TargetPolicyName = "all-ready"
+    target_policy: TargetPolicyName = "balanced"
     overflow_policy: OverflowPolicyName = "largest"
     output_capacity: int | None = Field(default=None, ge=1)
     mutant: MutantName | None = None

@@ -32,7 +32,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--depth", type=int, default=None, help="outstanding depth D (default: buffer size)")
     p.add_argument("--mode", choices=["join", "non-join"], default="join")
     p.add_argument("--schedule", choices=SCHEDULES, default="in_order", help="delivery schedule / sharding")
-    p.add_argument("--target-policy", choices=["all-ready", "paper"], default="all-ready")
+    p.add_argument("--target-policy", choices=["balanced", "all-ready", "paper"], default="balanced")
     p.add_argument("--overflow-policy", choices=["largest", "oldest"], default="largest")
     p.add_argument("--capacity", type=int, default=None, help="output slots per rank per round (default unbounded)")
     p.add_argument("--loss-scaling", choices=["none", "sample", "approx", "exact"], default="exact")

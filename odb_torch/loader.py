@@ -78,7 +78,7 @@ class ODBDataLoader:
         depth: int | None = None,
         mode: str = "join",
         loss_scaling: str = "exact",
-        target_policy: str = "all-ready",
+        target_policy: str = "balanced",
         seed: int = 0,
         length_fn: Callable[[Any], int] | None = None,
         loss_tokens_fn: Callable[[Any], int] | None = None,

@@ -23,11 +23,11 @@ CONSTANTS W,          \* number of ranks
           JoinMode,   \* TRUE: join; FALSE: non-join with quota chaining
           Quota,      \* non-join sample quota N
           Overflow,   \* "largest" (paper) or "oldest"
-          Policy      \* target policy: "paper" (Eq. 3) or "all-ready"
+          Policy      \* target policy: "paper" (Eq. 3), "all-ready" or "balanced"
 
 ASSUME W \in Nat \ {0} /\ Len(NV) = W /\ Budget \in Nat \ {0}
 ASSUME BufSize \in Nat \ {0} /\ Depth \in Nat /\ Capacity \in Nat /\ Quota \in Nat
-ASSUME JoinMode \in BOOLEAN /\ Overflow \in {"largest", "oldest"} /\ Policy \in {"paper", "all-ready"}
+ASSUME JoinMode \in BOOLEAN /\ Overflow \in {"largest", "oldest"} /\ Policy \in {"paper", "all-ready", "balanced"}
 
 VARIABLES next,     \* R = next[r]..NV[r]
           Q,        \* in flight: set of positions
@@ -94,7 +94,21 @@ PaperTarget(st, G, S) ==
          IN IF m < 1 THEN 1 ELSE m
 AllReadyTarget(st, G, S) ==
     IF \E r \in Ranks : st[r] = "waiting" THEN 0 ELSE PaperTarget(st, G, S)
-Target(st, G, S) == IF Policy = "all-ready" THEN AllReadyTarget(st, G, S) ELSE PaperTarget(st, G, S)
+RECURSIVE SumOver(_, _)
+SumOver(f, S) == IF S = {} THEN 0 ELSE LET x == CHOOSE y \in S : TRUE IN f[x] + SumOver(f, S \ {x})
+\* "balanced": all-ready, aiming at ceil(mean G) over active ranks instead of max G;
+\* ranks above the target overflow their surplus groups (the same Overflow as capacity)
+BalancedTarget(st, G, S) ==
+    IF (\E r \in Ranks : st[r] = "waiting") \/ Active(st) = {} THEN 0
+    ELSE LET n == Cardinality(Active(st))
+             m == Min({(SumOver(G, Active(st)) + n - 1) \div n}
+                      \cup (IF Capacity > 0 THEN {Capacity} ELSE {})
+                      \cup {S[r] : r \in Active(st)})
+         IN IF m < 1 THEN 1 ELSE m
+Target(st, G, S) ==
+    CASE Policy = "all-ready" -> AllReadyTarget(st, G, S)
+      [] Policy = "balanced" -> BalancedTarget(st, G, S)
+      [] OTHER -> PaperTarget(st, G, S)
 
 (* Alignment: split (Alg. 1, upward) and overflow (downward).              *)
 RECURSIVE SplitTo(_, _)
