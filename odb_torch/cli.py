@@ -156,6 +156,79 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("bench", help="benchmarks")
+    bsub = p.add_subparsers(dest="bench", required=True)
+    b = bsub.add_parser("batching", help="batch shapes of ODB vs Standard, Sorted, GMT/BMT/HFG oracles and peers")
+    b.add_argument("--samples", type=int, default=100_000, help="samples drawn per fitted distribution (default 100000)")
+    b.add_argument("--budgets", type=_ints, default=[8192, 16384], help="comma-separated token budgets")
+    b.add_argument("--worlds", type=_ints, default=[2, 4, 8], help="comma-separated world sizes")
+    b.add_argument("--buffer-size", type=int, default=1024)
+    b.add_argument("--distributions", default="ultrachat,llava,sharegpt4o,chat",
+                   help="comma-separated: ultrachat, llava, sharegpt4o, chat (the real chit-chat data)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--json", action="store_true", help="print one JSON object with a rows list")
+    b.set_defaults(func=_bench_batching)
+
+
+def _bench_batching(args: argparse.Namespace) -> int:
+    from odb_torch.bench_batching import markdown, run
+
+    rows = run(samples=args.samples, budgets=args.budgets, worlds=args.worlds, buffer_size=args.buffer_size,
+               distributions=[d for d in args.distributions.split(",") if d], seed=args.seed)
+    print(json.dumps({"rows": rows}) if args.json else markdown(rows))
+    return 0
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from odb_core.distributions import DISTRIBUTIONS
+
+    p = sub.add_parser("profile", help="CV, short fraction, expected padding and a suggested L_max for a dataset")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--lengths", help=f"a file of integer lengths, or one of: {', '.join(DISTRIBUTIONS)}")
+    src.add_argument("--jsonl", help="a JSONL dataset ('messages' or 'text' per line), tokenized with the Qwen tokenizer")
+    src.add_argument("--chat", action="store_true", help="the embedded chit-chat conversations (Qwen tokenizer)")
+    p.add_argument("--samples", type=int, default=100_000, help="lengths drawn from a named distribution")
+    p.add_argument("--max-length", type=int, default=None, help="cutoff applied to every length")
+    p.add_argument("--budgets", type=_ints, default=None, help="comma-separated token budgets")
+    p.add_argument("--buffer-size", type=int, default=1024)
+    p.add_argument("--step-fixed", type=float, default=None, help="seconds per step, fixed part")
+    p.add_argument("--step-per-token", type=float, default=None, help="seconds per padded token")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_profile)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from odb_core.distributions import DISTRIBUTIONS, sample_lengths
+    from odb_torch.profile import DEFAULT_BUDGETS, jsonl_lengths, markdown, profile
+
+    if (args.step_fixed is None) != (args.step_per_token is None):
+        raise SystemExit("odb profile: give both --step-fixed and --step-per-token, or neither")
+    if args.chat:
+        from odb_torch.demo.chat_data import ChatDataset
+
+        lengths = ChatDataset(max_length=args.max_length or 1 << 20).lengths()
+    elif args.jsonl:
+        lengths = jsonl_lengths(args.jsonl, args.max_length)
+    elif args.lengths in DISTRIBUTIONS:
+        lengths = sample_lengths(args.lengths, args.samples)
+    else:
+        path = Path(args.lengths)
+        if not path.is_file():
+            raise SystemExit(f"odb profile: --lengths {args.lengths!r} is neither a file nor a known distribution")
+        lengths = read_lengths(path)
+    if args.max_length and not args.chat:
+        lengths = [min(x, args.max_length) for x in lengths]
+    result = profile(lengths, args.budgets or DEFAULT_BUDGETS, args.buffer_size,
+                     step_fixed=args.step_fixed, step_per_token=args.step_per_token)
+    print(json.dumps(result) if args.json else markdown(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``odb`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="odb", description="Online Dynamic Batching: tools and demos.")
@@ -163,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_simulate(sub)
     _add_check(sub)
     _add_demo(sub)
+    _add_bench(sub)
+    _add_profile(sub)
     return parser
 
 

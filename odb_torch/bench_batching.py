@@ -1,0 +1,183 @@
+"""``odb bench batching``: batch shapes of ODB against the paper's baselines and peers.
+
+For each length distribution (the fitted ``ultrachat``, ``llava`` and ``sharegpt4o``,
+and the real chit-chat conversations when ``chitchat-dataset`` is installed), token
+budget and world size: padding, samples per update (global), updates per rank, the
+largest padded batch, multi-sample batches over the budget, ODB's alignment overhead,
+and the time to form an epoch's batches per 100,000 samples. ODB runs the real
+protocol (:func:`odb_core.simulate`, in-order delivery, buffer 1024 by default); its
+formation time is that of :func:`odb_core.grouping.form_groups` over every buffer,
+the same work the paper authors' package's ``grouping_data`` does per buffer (both
+measured on the same buffers when that package is installed: ``pip install -e .[bench]``;
+its rows are single-rank, as its alignment needs a live process group).
+Pure Python: no torch is imported unless the chat data is used.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from odb_core import ODBConfig, audit, simulate
+from odb_core.distributions import sample_lengths
+from odb_core.grouping import form_groups
+from odb_torch import baselines
+
+FITTED = ("ultrachat", "llava", "sharegpt4o")
+
+
+def shape(batches: Sequence[Sequence[int]], lengths: Sequence[int], budget: int, world: int) -> dict[str, Any]:
+    """Padding, samples/update, updates, largest padded batch and over-budget multi-sample batches."""
+    real = padded = biggest = over = samples = 0
+    for b in batches:
+        if not b:
+            continue
+        longest = max(lengths[i] for i in b)
+        area = longest * len(b)
+        real += sum(lengths[i] for i in b)
+        padded += area
+        biggest = max(biggest, area)
+        over += int(len(b) > 1 and area > budget)
+        samples += len(b)
+    updates = -(-len(batches) // world)
+    return {"padding_fraction": 1 - real / max(padded, 1), "samples_per_update": samples / max(updates, 1),
+            "updates": updates, "max_padded_tokens": biggest, "over_budget_batches": over}
+
+
+def _timed(fn: Callable[[], Any], repeats: int = 3) -> tuple[Any, float]:
+    """``fn()``'s result and its best time over ``repeats`` calls."""
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+    return out, best
+
+
+def odb_formation(lengths: Sequence[int], budget: int, buffer_size: int) -> float:
+    """Seconds to group every buffer of ``lengths`` with the B(l) rule."""
+    _, seconds = _timed(lambda: [form_groups(lengths[k:k + buffer_size], budget)
+                                 for k in range(0, len(lengths), buffer_size)])
+    return seconds
+
+
+def reference_groups(lengths: Sequence[int], budget: int, buffer_size: int) -> tuple[list[list[int]], float] | None:
+    """The paper authors' package's single-rank grouping of the same buffers, and its time; None if absent."""
+    try:
+        from odb.grouping import grouping_data
+    except ImportError:
+        return None
+
+    class _Ids(tuple):  # type: ignore[type-arg]  # a tuple of the right len() without the ids
+        n = 0
+
+        def __len__(self) -> int:
+            return self.n
+
+    samples = []
+    for i, n in enumerate(lengths):
+        ids = _Ids()
+        ids.n = n
+        samples.append({"input_ids": ids, "idx": i})
+    def run() -> list[list[int]]:
+        groups: list[list[int]] = []
+        for k in range(0, len(samples), buffer_size):
+            buf = [[s] for s in samples[k:k + buffer_size]]
+            out = grouping_data(buf, budget, None, is_finished=False, idx_budget=buffer_size,
+                                max_groups=buffer_size)
+            groups.extend([[s["idx"] for s in g] for g in out[0]])
+        return groups
+
+    return _timed(run)
+
+
+def chat_lengths(max_length: int = 16384) -> list[int] | None:
+    """Every chit-chat conversation's templated Qwen length (None without the demo extra)."""
+    try:
+        from odb_torch.demo.chat_data import ChatDataset
+
+        return ChatDataset(max_length=max_length).lengths()
+    except ImportError:
+        return None
+
+
+def rows_for(name: str, lengths: list[int], budget: int, worlds: Sequence[int], buffer_size: int,
+             seed: int = 0) -> list[dict[str, Any]]:
+    """Every batcher's row for one distribution and budget."""
+    n = len(lengths)
+    per = 1e5 / n
+    bs = baselines.survival_batch_size(lengths, budget)
+    rows: list[dict[str, Any]] = []
+
+    def row(batcher: str, world: int, figures: dict[str, Any], overhead: float | None, seconds: float) -> None:
+        rows.append({"batcher": batcher, "distribution": name, "token_budget": budget, "world": world,
+                     **figures, "alignment_overhead": overhead, "formation_seconds_per_1e5": seconds * per,
+                     "fixed_batch_size": bs if batcher in ("standard", "sorted", "hfg-oracle") else None})
+
+    odb_seconds = odb_formation(lengths, budget, buffer_size)
+    for world in worlds:
+        fixed: dict[str, Callable[[], list[list[int]]]] = {
+            "standard": lambda: baselines.standard(lengths, bs, world, seed),
+            "sorted": lambda: baselines.sorted_online(lengths, bs, world, buffer_size, seed),
+            "hfg-oracle": lambda: baselines.hfg(lengths, bs, world, seed),
+            "gmt-oracle": lambda: baselines.gmt(lengths, budget, world, seed),
+            "bmt-oracle": lambda: baselines.bmt(lengths, budget, world, seed),
+        }
+        for batcher, make in fixed.items():
+            batches, seconds = _timed(make)
+            row(batcher, world, shape(batches, lengths, budget, world), None, seconds)
+        result = simulate(lengths, world, ODBConfig(token_budget=budget, buffer_size=buffer_size, seed=seed))
+        a = audit(result)
+        steps = [[list(s.lengths) for s in rank if not s.is_idle] for rank in result.steps]
+        flat_lengths: list[int] = []
+        batches = []
+        for rank in steps:
+            for ls in rank:
+                batches.append(list(range(len(flat_lengths), len(flat_lengths) + len(ls))))
+                flat_lengths += ls
+        figures = shape(batches, flat_lengths, budget, world)
+        figures["updates"] = a.steps_per_rank[0]
+        figures["samples_per_update"] = sum(a.emitted_per_rank) / max(a.steps_per_rank[0], 1)
+        row("odb", world, figures, a.alignment_overhead, odb_seconds)
+    ref = reference_groups(lengths, budget, buffer_size)
+    if ref is not None:
+        groups, seconds = ref
+        row("reference (online-dynamic-batching 0.1.2, 1 rank)", 1, shape(groups, lengths, budget, 1), None, seconds)
+        rows.append({**rows[-1], "batcher": "odb (1 rank, same buffers)", "formation_seconds_per_1e5": odb_seconds * per,
+                     **shape([[k + off for k in g] for off, gs in _buffers(lengths, budget, buffer_size) for g in gs],
+                             lengths, budget, 1), "alignment_overhead": None})
+    return rows
+
+
+def _buffers(lengths: Sequence[int], budget: int, buffer_size: int) -> list[tuple[int, list[list[int]]]]:
+    return [(k, form_groups(lengths[k:k + buffer_size], budget)) for k in range(0, len(lengths), buffer_size)]
+
+
+def run(samples: int = 100_000, budgets: Sequence[int] = (8192, 16384), worlds: Sequence[int] = (2, 4, 8),
+        buffer_size: int = 1024, distributions: Sequence[str] = (*FITTED, "chat"), seed: int = 0) -> list[dict[str, Any]]:
+    """Every row of the benchmark."""
+    rows: list[dict[str, Any]] = []
+    for name in distributions:
+        if name == "chat":
+            lengths = chat_lengths()
+            if lengths is None:
+                continue
+        else:
+            lengths = sample_lengths(name, samples, seed)
+        for budget in budgets:
+            rows += rows_for(name, lengths, budget, worlds, buffer_size, seed)
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The rows as one Markdown table."""
+    out = ["| distribution | budget | W | batcher | padding | samples/update | updates | max padded tokens | "
+           "over-budget batches | alignment overhead | formation s/1e5 |", "|" + "---|" * 11]
+    for r in rows:
+        overhead = "" if r["alignment_overhead"] is None else f"{r['alignment_overhead']:.2%}"
+        out.append(f"| {r['distribution']} | {r['token_budget']} | {r['world']} | {r['batcher']} | "
+                   f"{r['padding_fraction']:.2%} | {r['samples_per_update']:.1f} | {r['updates']} | "
+                   f"{r['max_padded_tokens']} | {r['over_budget_batches']} | {overhead} | "
+                   f"{r['formation_seconds_per_1e5']:.3f} |")
+    return "\n".join(out)

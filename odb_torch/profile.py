@@ -1,0 +1,107 @@
+"""``odb profile``: the paper's practical guidance (Sec. 6) for a dataset's lengths.
+
+From lengths alone: their coefficient of variation (CV), the short-sample fraction f_s
+(samples at most ``short_fraction`` of the budget), and, over a range of token budgets,
+the padding and samples per update of ODB (B(l) grouping over buffers) against fixed
+batching at the survival batch size. It suggests a starting L_max: the smallest budget
+at which ODB's padding is at most 2% and its samples per update at least 2x fixed
+batching's, else the budget with the most samples per update. With a step-time model
+(``fixed + per_token x padded tokens`` seconds per step) it predicts samples/s of both.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from odb_core.grouping import form_groups
+from odb_torch.baselines import survival_batch_size
+
+DEFAULT_BUDGETS = (2048, 4096, 8192, 16384, 32768)
+
+
+def profile(lengths: Sequence[int], budgets: Sequence[int] = DEFAULT_BUDGETS, buffer_size: int = 1024,
+            short_fraction: float = 0.25, step_fixed: float | None = None,
+            step_per_token: float | None = None) -> dict[str, Any]:
+    """The profile as one JSON-ready dict (see the module docstring)."""
+    if not lengths:
+        raise ValueError("profile needs at least one length")
+    if any(x < 0 for x in lengths):
+        raise ValueError(f"lengths must be >= 0; found {min(lengths)}")
+    mean = statistics.fmean(lengths)
+    cv = statistics.pstdev(lengths) / mean if mean else 0.0
+    rows = []
+    for budget in budgets:
+        groups = 0
+        odb_padded = 0
+        for k in range(0, len(lengths), buffer_size):
+            for g in form_groups(lengths[k:k + buffer_size], budget):
+                groups += 1
+                odb_padded += max(lengths[k + i] for i in g) * len(g)
+        real = sum(lengths)
+        bs = survival_batch_size(lengths, budget)
+        fixed_padded = sum(max(lengths[k:k + bs]) * len(lengths[k:k + bs]) for k in range(0, len(lengths), bs))
+        fixed_steps = -(-len(lengths) // bs)
+        row: dict[str, Any] = {
+            "token_budget": budget, "short_fraction": sum(1 for x in lengths if x <= short_fraction * budget) / len(lengths),
+            "odb_padding": 1 - real / max(odb_padded, 1), "odb_samples_per_update": len(lengths) / groups,
+            "fixed_batch_size": bs, "fixed_padding": 1 - real / max(fixed_padded, 1),
+            "fixed_samples_per_update": len(lengths) / fixed_steps,
+        }
+        if step_fixed is not None and step_per_token is not None:
+            odb_time = groups * step_fixed + odb_padded * step_per_token
+            fixed_time = fixed_steps * step_fixed + fixed_padded * step_per_token
+            row["odb_samples_per_second"] = len(lengths) / odb_time
+            row["fixed_samples_per_second"] = len(lengths) / fixed_time
+            row["predicted_speedup"] = fixed_time / odb_time
+        rows.append(row)
+    good = [r for r in rows if r["odb_padding"] <= 0.02 and r["odb_samples_per_update"] >= 2 * r["fixed_samples_per_update"]]
+    suggested = good[0] if good else max(rows, key=lambda r: r["odb_samples_per_update"])
+    return {"samples": len(lengths), "mean_length": mean, "max_length": max(lengths), "cv": cv,
+            "buffer_size": buffer_size, "budgets": rows, "suggested_token_budget": suggested["token_budget"]}
+
+
+def markdown(p: dict[str, Any]) -> str:
+    """The profile as text with a Markdown table."""
+    head = (f"{p['samples']} samples, mean length {p['mean_length']:.1f}, max {p['max_length']}, CV {p['cv']:.2f}; "
+            f"buffer {p['buffer_size']}\n\n")
+    timed = "predicted_speedup" in p["budgets"][0]
+    cols = ("| L_max | f_s | ODB padding | ODB samples/update | fixed bs | fixed padding | fixed samples/update |"
+            + (" ODB samples/s | fixed samples/s | speedup |" if timed else ""))
+    lines = [cols, "|" + "---|" * (10 if timed else 7)]
+    for r in p["budgets"]:
+        line = (f"| {r['token_budget']} | {r['short_fraction']:.1%} | {r['odb_padding']:.2%} | "
+                f"{r['odb_samples_per_update']:.1f} | {r['fixed_batch_size']} | {r['fixed_padding']:.1%} | "
+                f"{r['fixed_samples_per_update']:.1f} |")
+        if timed:
+            line += (f" {r['odb_samples_per_second']:.1f} | {r['fixed_samples_per_second']:.1f} | "
+                     f"{r['predicted_speedup']:.2f}x |")
+        lines.append(line)
+    return head + "\n".join(lines) + f"\n\nsuggested starting L_max: {p['suggested_token_budget']}"
+
+
+def jsonl_lengths(path: str, max_length: int | None = None) -> list[int]:
+    """Qwen-tokenized lengths of a JSONL file: a ``messages`` list ({role, content}) is
+    chat-templated as ``<|im_start|>role\\n content<|im_end|>\\n``; else ``text`` is encoded.
+    A line with neither raises ``ValueError`` naming the line."""
+    import json
+
+    from odb_torch.demo.chat_data import _tokenizer
+
+    tok = _tokenizer()
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            if isinstance(obj.get("messages"), list):
+                text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in obj["messages"])
+            elif isinstance(obj.get("text"), str):
+                text = obj["text"]
+            else:
+                raise ValueError(f"{path}:{n}: a line needs a 'messages' list or a 'text' string")
+            length = len(tok.encode(text))
+            out.append(min(length, max_length) if max_length else length)
+    return out

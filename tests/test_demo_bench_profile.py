@@ -1,0 +1,84 @@
+"""``odb demo --quick``, ``odb bench batching`` and ``odb profile`` from the command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from odb_torch import baselines
+from odb_torch.bench_batching import shape
+
+ODB = [sys.executable, "-m", "odb_torch.cli"]
+
+
+def run(*args: str, timeout: float = 600) -> str:
+    out = subprocess.run([*ODB, *args], capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.mark.timeout(600)
+def test_demo_quick_json_table_and_plots(tmp_path):
+    summary = json.loads(run("demo", "--quick", "--json", "--results", str(tmp_path)))
+    names = [m["name"] for m in summary["methods"]]
+    assert names == ["standard", "sorted", "odb"]
+    for m in summary["methods"]:
+        for key in ("samples_per_second", "padding_fraction", "samples_per_update", "updates", "final_loss"):
+            assert key in m, key
+        assert m["samples"] >= summary["config"]["samples"], f"{m['name']} lost samples"
+        assert m["updates"] > 0 and 0 <= m["padding_fraction"] < 1 and m["final_loss"] > 0
+    odb, standard = summary["methods"][2], summary["methods"][0]
+    assert odb["padding_fraction"] < standard["padding_fraction"], "ODB must pad less than random fixed batches"
+    for png in summary["plots"]:
+        assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_batching_json_rows():
+    rows = json.loads(run("bench", "batching", "--samples", "3000", "--budgets", "8192", "--worlds", "2,8",
+                          "--distributions", "sharegpt4o", "--json"))["rows"]
+    keys = {"batcher", "distribution", "token_budget", "world", "padding_fraction", "samples_per_update",
+            "updates", "over_budget_batches", "alignment_overhead", "formation_seconds_per_1e5"}
+    assert all(keys <= set(r) for r in rows)
+    batchers = {r["batcher"] for r in rows}
+    assert {"standard", "sorted", "hfg-oracle", "gmt-oracle", "bmt-oracle", "odb"} <= batchers
+    for r in rows:
+        assert r["over_budget_batches"] == 0, f"{r['batcher']}: a multi-sample batch over the budget"
+    odb8 = next(r for r in rows if r["batcher"] == "odb" and r["world"] == 8)
+    assert 0 <= odb8["alignment_overhead"] < 0.2 and odb8["padding_fraction"] < 0.05
+
+
+@pytest.mark.parametrize("batcher", ["standard", "sorted", "hfg", "gmt", "bmt"])
+def test_baselines_cover_every_sample_and_respect_the_budget(batcher):
+    lengths = [1 + (i * 7919) % 3000 for i in range(2000)]
+    world, budget = 4, 8192
+    bs = baselines.survival_batch_size(lengths, budget)
+    make = {"standard": lambda: baselines.standard(lengths, bs, world),
+            "sorted": lambda: baselines.sorted_online(lengths, bs, world, 256),
+            "hfg": lambda: baselines.hfg(lengths, bs, world),
+            "gmt": lambda: baselines.gmt(lengths, budget, world),
+            "bmt": lambda: baselines.bmt(lengths, budget, world)}[batcher]
+    batches = make()
+    assert len(batches) % world == 0, "every rank runs the same number of steps"
+    assert {i for b in batches for i in b} == set(range(len(lengths))), "a sample was dropped"
+    assert shape(batches, lengths, budget, world)["over_budget_batches"] == 0
+
+
+def test_profile_suggests_a_budget_and_predicts_speed(tmp_path):
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(str(10 + (i * 37) % 2000) for i in range(5000)))
+    p = json.loads(run("profile", "--lengths", str(path), "--budgets", "2048,8192",
+                       "--step-fixed", "0.05", "--step-per-token", "1e-5", "--json"))
+    assert p["samples"] == 5000 and p["suggested_token_budget"] in (2048, 8192)
+    assert all(r["odb_padding"] < r["fixed_padding"] or r["fixed_batch_size"] == 1 for r in p["budgets"])
+    assert all(r["predicted_speedup"] > 1 for r in p["budgets"])
+
+
+def test_profile_rejects_a_bad_jsonl_line_by_number(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"text": "hello there"}\n{"prompt": "no text"}\n')
+    out = subprocess.run([*ODB, "profile", "--jsonl", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and f"{path}:2" in out.stderr
