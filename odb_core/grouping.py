@@ -46,8 +46,9 @@ def form_groups(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
     """
     if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
         raise InvalidSampleError(f"token_budget must be an int >= 1, got {token_budget!r}")
-    for i, length in enumerate(lengths):
-        check_length(length, f"sample {i}")
+    if not (set(map(type, lengths)) <= {int} and (not lengths or min(lengths) >= 0)):  # fast path: plain ints
+        for i, length in enumerate(lengths):
+            check_length(length, f"sample {i}")
     return group_sorted(sorted(range(len(lengths)), key=lengths.__getitem__), lengths, token_budget)
 
 
@@ -67,6 +68,15 @@ def group_sorted(order: list[int], lengths: Sequence[int] | Mapping[int, int], t
         end = start
     groups.reverse()
     return groups
+
+
+def group_buffer(lengths: Mapping[int, int], token_budget: int) -> list[list[int]]:
+    """Group a buffer (key -> validated length), keys ordered by (length, key): one round's grouping.
+
+    Two C-level sorts (by key, then stably by length) instead of a tuple key; this is
+    what :class:`~odb_core.protocol.RankProtocol` runs every round.
+    """
+    return group_sorted(sorted(sorted(lengths), key=lengths.__getitem__), lengths, token_budget)
 
 
 def over_budget(lengths: Sequence[int], token_budget: int) -> int:

