@@ -25,7 +25,8 @@ from torch.distributed import ProcessGroupGloo, TCPStore  # type: ignore[attr-de
 from torch.utils.data import DataLoader, Dataset
 
 from odb_core import ODBConfig, ODBError, RankProtocol
-from odb_core.errors import CollateFnError, InvalidSampleError, PeerError, SampleLoadError
+from odb_core.quota import QuotaTracker
+from odb_core.errors import CollateFnError, InvalidSampleError, NonJoinStalledError, PeerError, SampleLoadError
 from odb_torch.step_info import StepInfo
 from odb_torch.transport import IndexedDataset, Packer, unpack
 
@@ -134,19 +135,51 @@ def _all_gather(pg: Any, values: list[int], world: int, what: str, rank: int) ->
     return [t.tolist() for t in out]
 
 
+CHAIN_STRIDE = 1 << 20
+"""Non-join: chained iteration k of epoch e reads the sampler's permutation of epoch e + k x CHAIN_STRIDE."""
+
+
 def run_epoch(
     spec: CollateSpec, pg: Any, sampler: Any, epoch: int, out: Any, parent: int, ctrl: Any,
     skip: frozenset[int] = frozenset(), first_step: int = 0,
 ) -> None:
     """One epoch of the protocol; puts ("step", batch, StepInfo, positions) items on ``out``.
 
-    ``skip`` holds the sampler positions already consumed before a restart: they are
-    left out, so a resumed epoch emits exactly the rest (nothing lost, nothing twice).
+    Join mode: one logical iteration over this rank's sampler views (P4). ``skip``
+    holds the sampler positions already consumed before a restart: they are left out,
+    so a resumed epoch emits exactly the rest (nothing lost, nothing twice).
+
+    Non-join mode: a logical iteration ends as soon as any rank finishes; iterations
+    are chained (each over a fresh permutation, see CHAIN_STRIDE) and the epoch ends at
+    the first step whose cumulative global sample count reaches N = len(dataset), on
+    every rank at the same step (P5, P2). Samples fetched but not emitted when an
+    iteration ends are not yielded; that is non-join's contract.
     """
-    order = _views(spec, sampler, epoch)
-    kept = [pos for pos in range(len(order)) if pos not in skip]
-    views = [order[pos] for pos in kept]
-    proto = RankProtocol(spec.config, spec.rank, spec.world, views, iteration=epoch)
+    if spec.config.mode == "join":
+        order = _views(spec, sampler, epoch)
+        kept = [pos for pos in range(len(order)) if pos not in skip]
+        _run_iteration(spec, pg, [order[pos] for pos in kept], kept, epoch, epoch, out, parent, ctrl, first_step, None)
+        return
+    quota = QuotaTracker(len(spec.dataset))  # type: ignore[arg-type]
+    step, k = first_step, 0
+    while not quota.reached:
+        order = _views(spec, sampler, epoch + k * CHAIN_STRIDE)
+        before = quota.emitted
+        step = _run_iteration(spec, pg, order, list(range(len(order))), epoch, epoch + k * CHAIN_STRIDE, out, parent,
+                              ctrl, step, quota)
+        if not quota.reached and quota.emitted == before:
+            raise NonJoinStalledError(f"rank {spec.rank}: non-join iteration {k} of epoch {epoch} emitted nothing "
+                                      "before a rank finished (a rank has no data?)")
+        k += 1
+
+
+def _run_iteration(
+    spec: CollateSpec, pg: Any, views: list[int], kept: list[int], epoch: int, iteration: int, out: Any,
+    parent: int, ctrl: Any, step: int, quota: QuotaTracker | None,
+) -> int:
+    """One logical iteration over ``views``; returns the next step number. With a quota
+    (non-join), stops right after the step that reaches it."""
+    proto = RankProtocol(spec.config, spec.rank, spec.world, views, iteration=iteration)
     size = chunk_size(spec.config, spec.num_workers)
     chunks = [list(range(k, min(k + size, len(views)))) for k in range(0, len(views), size)]
     loader = DataLoader(
@@ -161,7 +194,6 @@ def run_epoch(
     held: dict[int, tuple[Any, tuple[int, int]]] = {}  # loaded ahead of the core's fetch (still in R)
     received = 0
     template: Any = None
-    step = first_step
 
     def admit() -> None:
         """Fetch what the depth allows, then hand the core every loaded sample now in Q."""
@@ -192,15 +224,15 @@ def run_epoch(
             admit()
         plan = proto.on_headers(_all_gather(pg, proto.begin_round(), spec.world, "header", spec.rank))
         if plan.done:
-            return
+            return step
         if plan.step_vector is None:
             continue
         steps = proto.on_steps(_all_gather(pg, plan.step_vector, spec.world, "step", spec.rank))
         if spec.shuffle_steps and len(steps) > 1:
-            # the same permutation on every rank (it depends only on seed, epoch, round and the
-            # step count, which lockstep makes equal), so step k still pairs the same groups
+            # the same permutation on every rank (it depends only on seed, iteration, round and
+            # the step count, which lockstep makes equal), so step k still pairs the same groups
             # and keeps its loss weights (P2, P7); only the order the trainer sees changes
-            random.Random(f"{spec.config.seed}:{epoch}:{steps[0].round}:{len(steps)}").shuffle(steps)
+            random.Random(f"{spec.config.seed}:{iteration}:{steps[0].round}:{len(steps)}").shuffle(steps)
         for s in steps:
             if s.is_idle:
                 if template is None:
@@ -221,6 +253,10 @@ def run_epoch(
             )
             _put(out, ("step", batch, info, tuple(kept[p] for p in s.positions)), parent, ctrl)
             step += 1
+            if quota is not None:
+                quota.add(s.global_samples)
+                if quota.reached:
+                    return step
 
 
 def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any) -> None:

@@ -43,6 +43,10 @@ class ODBDataLoader:
         dataset: a map-style dataset (picklable: it is sent to the collate process).
         token_budget: L_max, padded tokens per batch.
         collate_fn: turns a list of samples into a batch (default ``default_collate``).
+        mode: ``"join"`` (default): every sampler view is yielded once per epoch (P4);
+            ``"non-join"``: the paper's opt-in mode, where an epoch ends at the first step
+            whose cumulative global sample count reaches ``len(dataset)`` (P5), chaining
+            logical iterations over fresh permutations; fetched views may go unyielded.
         sampler: this rank's sampler (a ``DistributedSampler`` or compatible, with
             ``set_epoch``); default ``DistributedSampler(drop_last=False)``.
         length_fn: a sample's length (default ``len(sample["input_ids"])``).
@@ -96,8 +100,6 @@ class ODBDataLoader:
             token_budget=token_budget, buffer_size=buffer_size, depth=depth, mode=mode,  # type: ignore[arg-type]
             loss_scaling=loss_scaling, target_policy=target_policy, seed=seed,  # type: ignore[arg-type]
         )
-        if self.config.mode != "join":
-            raise NotImplementedError("ODBDataLoader supports mode='join' so far; non-join chaining is in odb_core")
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
         if world_size is None:
@@ -150,12 +152,18 @@ class ODBDataLoader:
 
         Restoring it with :meth:`load_state_dict` makes the next iteration emit exactly
         the sampler views of this epoch not yet yielded: nothing lost, nothing twice.
+        Join mode only: a non-join epoch chains iterations and may not yield every view.
         """
+        if self.config.mode != "join":
+            raise NotImplementedError("state_dict/load_state_dict resume mid-epoch in join mode only; "
+                                      "in non-join mode checkpoint at epoch boundaries")
         return {"epoch": self.epoch, "steps": self._steps, "consumed": sorted(self._consumed),
                 "rank": self.rank, "world_size": self.world_size, "seed": self.config.seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`; the rank, world size and seed must match."""
+        """Resume from :meth:`state_dict`; the rank, world size and seed must match (join mode only)."""
+        if self.config.mode != "join":
+            raise NotImplementedError("load_state_dict resumes mid-epoch in join mode only")
         for key, mine in (("rank", self.rank), ("world_size", self.world_size), ("seed", self.config.seed)):
             if state.get(key) != mine:
                 raise ValueError(f"state_dict {key}={state.get(key)!r} does not match this loader's {mine!r}")

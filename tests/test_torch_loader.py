@@ -213,3 +213,22 @@ def test_zero_length_sample_is_emitted_not_dropped(tmp_path):
         assert "error" not in r, r
     ids = [i for r in results for s in r["epochs"][0] for i in s["ids"]]
     assert sorted(ids) == list(range(40)), "every sample, the empty ones included, is emitted once"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_non_join_epoch_closes_the_quota_in_lockstep(world, tmp_path):
+    """Non-join (P5): every rank stops at the same step, the first whose cumulative global
+    sample count reaches N, so N <= emitted <= N + the largest step; over two epochs."""
+    n = 61
+    results = run_ranks(world, {"kind": "audit", "n": n, "epochs": 2, "mode": "non-join"}, tmp_path)
+    for r in results:
+        assert "error" not in r, r
+    for epoch in range(2):
+        steps = [r["epochs"][epoch] for r in results]
+        assert len({len(s) for s in steps}) == 1, "P2: equal step counts"
+        globals_ = [s["global"] for s in steps[0]]
+        assert all([s["global"] for s in other] == globals_ for other in steps), "every rank sees the same global counts"
+        emitted = sum(len(s["ids"]) for rank in steps for s in rank)
+        assert emitted == sum(globals_)
+        assert n <= emitted <= n + max(globals_) and sum(globals_[:-1]) < n, "P5: the quota closes at the first step reaching N"
+        assert all(0 <= i < n for rank in steps for s in rank for i in s["ids"])

@@ -92,7 +92,7 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
         loader = ODBDataLoader(dataset, token_budget=128, collate_fn=collate, buffer_size=task.get("buffer", 16),
                                num_workers=task.get("workers", 0), seed=task.get("seed", 0),
                                init_method=f"tcp://127.0.0.1:{port + 1}", timeout=task.get("timeout", 60),
-                               start_method=task.get("start_method", "spawn"))
+                               start_method=task.get("start_method", "spawn"), mode=task.get("mode", "join"))
         try:
             if task["kind"] == "audit":
                 result["epochs"] = []
@@ -109,6 +109,7 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
                         ids = [] if info.is_idle else batch["idx"].tolist()
                         assert ids == list(info.indices)
                         steps.append({"ids": ids, "idle": info.is_idle, "step": info.step,
+                                      "global": info.global_samples,
                                       "tokens": int(batch["input_ids"].numel()), "size": len(batch["idx"]),
                                       "longest": int(batch["input_ids"].shape[1]), "over": info.over_budget})
                     result["epochs"].append(steps)
