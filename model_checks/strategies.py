@@ -62,7 +62,7 @@ def cases(
         mode=draw(st.sampled_from(modes)),
         loss_scaling=draw(st.sampled_from(["none", "sample", "approx", "exact"])),
         seed=draw(st.integers(0, 2**16)),
-        target_policy=draw(st.sampled_from(["paper", "all-ready"])),
+        target_policy=draw(st.sampled_from(["paper", "all-ready", "balanced"])),
         overflow_policy=draw(st.sampled_from(["largest", "oldest"])),
         output_capacity=draw(st.integers(1, 16) if need_capacity else st.one_of(st.none(), st.integers(1, 16))),
     )

@@ -24,7 +24,7 @@ class OneRankVsPeers(RuleBasedStateMachine):
         buffer_size=st.integers(1, 8),
         extra_depth=st.integers(0, 4),
         mode=st.sampled_from(["join", "non-join"]),
-        policy=st.sampled_from(["paper", "all-ready"]),
+        policy=st.sampled_from(["paper", "all-ready", "balanced"]),
         overflow=st.sampled_from(["largest", "oldest"]),
         capacity=st.one_of(st.none(), st.integers(1, 4)),
         scaling=st.sampled_from(["none", "sample", "approx", "exact"]),
