@@ -42,6 +42,9 @@ class ODBDataLoader:
     Args:
         dataset: a map-style dataset (picklable: it is sent to the collate process).
         token_budget: L_max, padded tokens per batch.
+        config: the core's :class:`~odb_core.ODBConfig` instead of the protocol keywords
+            (token_budget, buffer_size, depth, mode, loss_scaling, target_policy, seed);
+            when given, those keywords are ignored.
         collate_fn: turns a list of samples into a batch (default ``default_collate``).
         mode: ``"join"`` (default): every sampler view is yielded once per epoch (P4);
             ``"non-join"``: the paper's opt-in mode, where an epoch ends at the first step
@@ -72,7 +75,8 @@ class ODBDataLoader:
         self,
         dataset: Dataset[Any],
         *,
-        token_budget: int,
+        token_budget: int | None = None,
+        config: ODBConfig | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         sampler: Any = None,
         shuffle: bool = True,
@@ -96,10 +100,19 @@ class ODBDataLoader:
         world_size: int | None = None,
         queue_size: int = 8,
     ) -> None:
-        self.config = ODBConfig(
-            token_budget=token_budget, buffer_size=buffer_size, depth=depth, mode=mode,  # type: ignore[arg-type]
-            loss_scaling=loss_scaling, target_policy=target_policy, seed=seed,  # type: ignore[arg-type]
-        )
+        if config is not None:
+            if token_budget is not None and token_budget != config.token_budget:
+                raise ValueError(f"token_budget={token_budget} contradicts config.token_budget={config.token_budget}; "
+                                 "pass one of them")
+            self.config = config
+        elif token_budget is None:
+            raise ValueError("ODBDataLoader needs token_budget (or config=ODBConfig(...))")
+        else:
+            self.config = ODBConfig(
+                token_budget=token_budget, buffer_size=buffer_size, depth=depth, mode=mode,  # type: ignore[arg-type]
+                loss_scaling=loss_scaling, target_policy=target_policy, seed=seed,  # type: ignore[arg-type]
+            )
+        seed = self.config.seed
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
         if world_size is None:

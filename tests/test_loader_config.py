@@ -1,0 +1,30 @@
+"""ODBDataLoader's configuration surface (no process is started until iteration)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from odb_core import ODBConfig
+from odb_torch import ODBDataLoader
+from torch_support import ToyDataset
+
+
+def test_config_model_is_accepted_as_is():
+    config = ODBConfig(token_budget=64, buffer_size=8, mode="non-join", seed=5)
+    loader = ODBDataLoader(ToyDataset(10), config=config, rank=0, world_size=1)
+    assert loader.config == config and loader.sampler.seed == 5
+
+
+def test_contradicting_or_missing_budget_is_an_error():
+    with pytest.raises(ValueError, match="contradicts"):
+        ODBDataLoader(ToyDataset(10), token_budget=32, config=ODBConfig(token_budget=64), rank=0, world_size=1)
+    with pytest.raises(ValueError, match="needs token_budget"):
+        ODBDataLoader(ToyDataset(10), rank=0, world_size=1)
+
+
+def test_invalid_keyword_names_the_field():
+    with pytest.raises(ValidationError, match="token_budget"):
+        ODBDataLoader(ToyDataset(10), token_budget=0, rank=0, world_size=1)
+    with pytest.raises(ValidationError, match="mode"):
+        ODBDataLoader(ToyDataset(10), token_budget=64, mode="sometimes", rank=0, world_size=1)
