@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import tempfile
 import time
 from datetime import timedelta
@@ -33,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from odb_core.distributions import sample_lengths
 from odb_core.wire import payload_bytes
 from odb_torch import ODBDataLoader, pad_collate as pad
+from odb_torch.ports import free_port
 
 
 class SyntheticDataset(Dataset):  # type: ignore[type-arg]
@@ -134,20 +134,6 @@ def run_rank(rank: int, world: int, port: int, out: str, args: dict[str, Any]) -
     dist.destroy_process_group()
 
 
-def free_port(span: int = 16) -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        try:
-            for k in range(1, span):
-                with socket.socket() as b:
-                    b.bind(("127.0.0.1", port + k))
-            return port
-        except OSError:
-            continue
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", choices=["chat", "synthetic"], default="chat")
@@ -176,7 +162,7 @@ def main() -> None:
     if a.raw:
         args["order"] = a.raw.split(",")
     with tempfile.TemporaryDirectory() as out:
-        ctx = tmp.start_processes(run_rank, args=(2, free_port(), out, args), nprocs=2, start_method="spawn",
+        ctx = tmp.start_processes(run_rank, args=(2, free_port(16), out, args), nprocs=2, start_method="spawn",
                                   join=False)
         for p in ctx.processes:
             p.join()

@@ -81,6 +81,7 @@ def reference_groups(lengths: Sequence[int], budget: int, buffer_size: int) -> t
         ids = _Ids()
         ids.n = n
         samples.append({"input_ids": ids, "idx": i})
+
     def run() -> list[list[int]]:
         groups: list[list[int]] = []
         for k in range(0, len(samples), buffer_size):

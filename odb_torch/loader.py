@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,13 +16,8 @@ from odb_core import ODBConfig
 from odb_core import errors as odb_errors
 from odb_core.errors import CollateProcessError, PeerError
 from odb_torch.collate_process import CollateSpec, collate_main
+from odb_torch.ports import free_port
 from odb_torch.step_info import StepInfo
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ODBDataLoader:
@@ -124,7 +118,7 @@ class ODBDataLoader:
                 port = int(os.environ.get("ODB_COLLATE_PORT", int(os.environ.get("MASTER_PORT", 29500)) + 1))
                 init_method = f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}"
             else:
-                init_method = f"tcp://127.0.0.1:{_free_port()}"
+                init_method = f"tcp://127.0.0.1:{free_port()}"
         self.sampler = sampler if sampler is not None else DistributedSampler(
             dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
         self._spec = CollateSpec(

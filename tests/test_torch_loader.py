@@ -12,7 +12,6 @@ import json
 import math
 import os
 import signal
-import socket
 import time
 import uuid
 from multiprocessing import resource_tracker
@@ -22,6 +21,7 @@ from typing import Any
 import pytest
 import torch.multiprocessing as tmp
 
+from odb_torch.ports import free_port
 from torch_support import describe, rank_main, sample_length, wait_for_no_leftovers
 
 pytestmark = pytest.mark.timeout(300)
@@ -29,17 +29,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def free_port_triple() -> int:
     """A port p with p, p+1 and p+2 free (trainer group, collate group, resumed collate group)."""
-    while True:
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = int(a.getsockname()[1])
-        try:
-            for k in (1, 2):
-                with socket.socket() as b:
-                    b.bind(("127.0.0.1", port + k))
-            return port
-        except OSError:
-            continue
+    return free_port(3)
 
 
 def run_ranks(

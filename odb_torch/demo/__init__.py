@@ -5,26 +5,12 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from odb_core.grouping import form_groups
-
-
-def _free_port(span: int = 4) -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        try:
-            for k in range(1, span):
-                with socket.socket() as b:
-                    b.bind(("127.0.0.1", port + k))
-            return port
-        except OSError:
-            continue
+from odb_torch.ports import free_port
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -68,7 +54,7 @@ def run_demo(quick: bool = False, results: Path = Path("results"), world: int = 
                             buffer_size=preset["buffer_size"], lr=preset["lr"], model=model, seed=seed,
                             progress=progress)
             out = str(Path(tmpdir, f"{method}.json"))
-            start_processes(run_rank, args=(world, _free_port(), cfg, data, out, probe), nprocs=world,  # type: ignore[no-untyped-call]
+            start_processes(run_rank, args=(world, free_port(4), cfg, data, out, probe), nprocs=world,  # type: ignore[no-untyped-call]
                             start_method="spawn")
             runs[method] = json.loads(Path(out).read_text())
     standard = runs.get("standard")
