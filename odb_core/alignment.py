@@ -18,20 +18,23 @@ def _positive_min(values: Sequence[int]) -> int | None:
     return min(positive) if positive else None
 
 
-def paper_target(headers: Sequence[Header]) -> int:
-    """Eq. 3: T = max(min(max_A G_r, C_min+, S_min+), 1) over active ranks A; 0 if A is empty.
+def _bounded(active: Sequence[Header], aim: int) -> int:
+    """max(min(aim, C_min+, S_min+), 1) over the active ranks (the bounds of Eq. 3).
 
     T <= S_min+ guarantees every active rank can split up to T (it has >= T samples);
     T <= C_min+ keeps each rank within its output capacity.
     """
-    active = [h for h in headers if h.status is Status.READY]
-    if not active:
-        return 0
-    bounds = [max(h.groups for h in active)]
+    bounds = [aim]
     for bound in (_positive_min([h.capacity for h in active]), _positive_min([h.samples for h in active])):
         if bound is not None:
             bounds.append(bound)
     return max(min(bounds), 1)
+
+
+def paper_target(headers: Sequence[Header]) -> int:
+    """Eq. 3: T = max(min(max_A G_r, C_min+, S_min+), 1) over active ranks A; 0 if A is empty."""
+    active = [h for h in headers if h.status is Status.READY]
+    return _bounded(active, max(h.groups for h in active)) if active else 0
 
 
 def all_ready_target(headers: Sequence[Header]) -> int:
@@ -60,13 +63,7 @@ def balanced_target(headers: Sequence[Header]) -> int:
     if any(h.status is Status.WAITING for h in headers):
         return 0
     active = [h for h in headers if h.status is Status.READY]
-    if not active:
-        return 0
-    bounds = [-(-sum(h.groups for h in active) // len(active))]
-    for bound in (_positive_min([h.capacity for h in active]), _positive_min([h.samples for h in active])):
-        if bound is not None:
-            bounds.append(bound)
-    return max(min(bounds), 1)
+    return _bounded(active, -(-sum(h.groups for h in active) // len(active))) if active else 0
 
 
 TARGET_POLICIES: dict[str, TargetPolicy] = {
