@@ -6,11 +6,12 @@ budget and world size: padding, samples per update (global), updates per rank, t
 largest padded batch, multi-sample batches over the budget, ODB's alignment overhead,
 and the time to form an epoch's batches per 100,000 samples. ODB runs the real
 protocol (:func:`odb_core.simulate`, in-order delivery, buffer 1024 by default); its
-formation time is that of :func:`odb_core.grouping.form_groups` over every buffer,
-the same work the paper authors' package's ``grouping_data`` does per buffer (both
+formation time is that of :func:`odb_core.grouping.group_buffer` (what the protocol
+runs each round) over every buffer, the same work the paper authors' package's
+``grouping_data`` does per buffer (both
 measured on the same buffers when that package is installed: ``pip install -e .[bench]``;
 its rows are single-rank, as its alignment needs a live process group).
-Pure Python: no torch is imported unless the chat data is used.
+ODB's side imports no torch unless the chat data is used.
 """
 
 from __future__ import annotations

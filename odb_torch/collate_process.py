@@ -2,8 +2,9 @@
 
 It owns a Gloo process group of its own (its own TCPStore and ProcessGroupGloo, never
 the default group, so it is isolated from the trainer's NCCL or Gloo group),
-a plain :class:`torch.utils.data.DataLoader` whose workers load single samples in
-sampler order, and the user's ``collate_fn``. Batches and their :class:`StepInfo` go
+a plain :class:`torch.utils.data.DataLoader` whose workers load, measure and pack
+chunks of consecutive sampler views (:mod:`odb_torch.transport`), and the user's
+``collate_fn``. Batches and their :class:`StepInfo` go
 to the trainer process through a bounded queue; errors go the same way as a typed
 record, so the trainer raises instead of hanging.
 """
