@@ -53,3 +53,14 @@ class CollateProcessError(ODBError):
 
 class PeerError(ODBError):
     """A collective of the collate group failed: a peer rank died, or a straggler exceeded the timeout."""
+
+
+class LossTokenMismatchError(ODBError, ValueError):
+    """A trainer adapter's loss summed over a different number of tokens than the loader
+    measured (``loss_tokens_fn``), so the exact loss weights (P7) would be wrong; names the
+    dataset indices and both counts."""
+
+
+class CheckpointStateError(ODBError, ValueError):
+    """A checkpoint lacks ODB's loader state for this rank, or holds one that does not fit
+    this run (rank, world size, seed, accumulation steps); names the file."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -140,6 +141,8 @@ class ODBDataLoader:
         self._step_info: StepInfo | None = None
         self._consumed: list[int] = []  # sampler positions yielded this epoch
         self._steps = 0  # steps (idle included) consumed this epoch
+        # (positions, steps) each recent yield added to _consumed/_steps, for state_dict(unconsumed=k)
+        self._recent: deque[tuple[int, int]] = deque(maxlen=64)
         self._resume: tuple[int, list[int], int] | None = None
         self._epoch_open = False  # an iteration started and has not reached its "end" record
 
@@ -154,17 +157,25 @@ class ODBDataLoader:
         """Select the sampler permutation of ``epoch`` (call it on every rank, as with DistributedSampler)."""
         self.epoch = epoch
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, unconsumed: int = 0) -> dict[str, Any]:
         """The loader's position at the current step boundary (take it on every rank at the same step).
 
         Restoring it with :meth:`load_state_dict` makes the next iteration emit exactly
         the sampler views of this epoch not yet yielded: nothing lost, nothing twice.
+        ``unconsumed=k`` gives the position before the last ``k`` yielded batches, for a
+        wrapper that reads ahead (at most 64): they are emitted again after a resume.
         Join mode only: a non-join epoch chains iterations and may not yield every view.
         """
         if self.config.mode != "join":
             raise NotImplementedError("state_dict/load_state_dict resume mid-epoch in join mode only; "
                                       "in non-join mode checkpoint at epoch boundaries")
-        return {"epoch": self.epoch, "steps": self._steps, "consumed": sorted(self._consumed),
+        if not 0 <= unconsumed <= len(self._recent):
+            raise ValueError(f"unconsumed={unconsumed}: only the last {len(self._recent)} yielded batches "
+                             "of this epoch can be handed back")
+        back = list(self._recent)[len(self._recent) - unconsumed:]
+        n_pos, n_steps = sum(b[0] for b in back), sum(b[1] for b in back)
+        consumed = self._consumed[: len(self._consumed) - n_pos]
+        return {"epoch": self.epoch, "steps": self._steps - n_steps, "consumed": sorted(consumed),
                 "rank": self.rank, "world_size": self.world_size, "seed": self.config.seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -201,6 +212,8 @@ class ODBDataLoader:
             skip, first_step = [], 0
         self._resume = None
         self._consumed, self._steps = list(skip), first_step
+        self._recent.clear()
+        pending = (0, 0)  # positions and steps of skipped idle steps, charged to the next yield
         self._ctrl.put(("epoch", epoch, skip, first_step))
         self._epoch_open = True
         last = time.monotonic()
@@ -230,8 +243,11 @@ class ODBDataLoader:
             _, batch, info, positions = item
             self._consumed.extend(positions)
             self._steps += 1
+            pending = (pending[0] + len(positions), pending[1] + 1)
             if info.is_idle and self.skip_idle:
                 continue
+            self._recent.append(pending)
+            pending = (0, 0)
             self._step_info = info
             yield batch
 

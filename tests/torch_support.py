@@ -222,3 +222,30 @@ def wait_for_no_leftovers(tag: str, grace: float = 15.0) -> list[int]:
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.1)
+
+
+def run_torchrun(script: Path, args: list[str], nproc: int, timeout: float = 240) -> str:
+    """Run ``script`` under torchrun on one node with ``nproc`` processes (a fresh port, a tag in
+    the environment); fail with its log unless it exits 0 and leaves no process behind."""
+    import signal
+    import subprocess
+    import sys
+    import uuid
+
+    from odb_torch.ports import free_port
+
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "ODB_TEST_TAG": tag, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port(3)), str(script), *args]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        log = proc.communicate(timeout=timeout)[0].decode(errors="replace")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, log[-6000:]
+    leftovers = wait_for_no_leftovers(tag)
+    assert not leftovers, f"processes left behind: {leftovers}"
+    return log

@@ -1,0 +1,49 @@
+"""Summed per-token losses and the matching loss-token counts, for the trainer adapters.
+
+Exact loss scaling (P7) multiplies a rank's *summed* token loss by ``W / window_tokens``;
+the count the loader measures per sample (``loss_tokens_fn``) must equal the count the
+loss sums over, or the weights are off. For causal LMs the loss is over shifted labels,
+so the first position never counts: :func:`shifted_loss_tokens` and
+:func:`causal_lm_loss_sum` agree on that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def shifted_loss_tokens(sample: Mapping[str, Any]) -> int:
+    """Loss tokens of a causal-LM sample: labels after the first position that are not -100
+    (without labels: every position after the first)."""
+    labels = sample.get("labels")
+    if labels is None:
+        return max(len(sample["input_ids"]) - 1, 0)
+    return int((torch.as_tensor(labels)[1:] != IGNORE_INDEX).sum())
+
+
+def logits_of(outputs: Any) -> torch.Tensor:
+    """The logits of a model output: ``outputs.logits``, ``outputs["logits"]``, a tuple's first item, or a tensor."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    logits = getattr(outputs, "logits", None)
+    if logits is None and isinstance(outputs, Mapping):
+        logits = outputs.get("logits")
+    if logits is None and isinstance(outputs, (tuple, list)):
+        logits = outputs[0]
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"cannot find logits in the model output of type {type(outputs).__name__}")
+    return logits
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Sum of next-token cross-entropies over labels != -100 (shifted by one), and their count."""
+    shift_logits = logits[..., :-1, :].reshape(-1, logits.size(-1)).float()
+    shift_labels = labels[..., 1:].reshape(-1).to(shift_logits.device)
+    loss_sum = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss_sum, int((shift_labels != IGNORE_INDEX).sum())

@@ -1,0 +1,173 @@
+"""Gradient-accumulation windows over an :class:`ODBDataLoader`, shared by the trainer adapters.
+
+A window is ``K`` consecutive steps of the loader; the optimizer steps once per window.
+Exact loss scaling (P7) over a window needs the window's global loss tokens before its
+first backward, so :class:`AccumulationWindows` reads a window ahead, plus one batch to
+know whether the epoch ends with it. Every rank sees the same steps (P2), hence the same
+windows, the same padding and the same number of optimizer steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from odb_torch.step_info import StepInfo
+
+if TYPE_CHECKING:
+    from odb_torch.loader import ODBDataLoader
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One step of a window: the collated batch and how to weight its loss."""
+
+    batch: Any
+    info: StepInfo
+    loss_multiplier: float
+    """Multiply this rank's **summed** per-token loss by it, then backward. After DDP averages
+    gradients over the W ranks, the update is the per-token mean over every token of the
+    window on every rank (P7). 0 for idle steps and padding."""
+    window_tokens: int
+    """Global loss tokens of the whole window (every rank, every step)."""
+    is_padding: bool
+    """A zero-weight repeat of the epoch's last batch that fills its last window to K steps."""
+    last_in_window: bool
+    """The optimizer steps after this micro-batch."""
+
+
+class AccumulationWindows:
+    """Iterate epochs of ``loader`` as windows of ``accumulation_steps`` micro-batches.
+
+    Each ``iter()`` runs one epoch (the next one after a completed epoch), so it can be
+    handed to a trainer that calls ``iter()`` once per epoch. ``pad_last_window`` fills
+    the epoch's last window with zero-weight repeats so every window has exactly K
+    micro-batches (trainers that count micro-batches to decide when to step need this);
+    without it the last window is shorter, on every rank alike.
+
+    :meth:`state_dict` at a window boundary, restored with :meth:`load_state_dict` before
+    the next ``iter()``, resumes mid-epoch with nothing emitted twice and nothing lost (P4),
+    including the batch read ahead. Counters (``samples_seen``, ``tokens_seen``,
+    ``updates``, ``epochs_completed``) count real samples and loss tokens of every rank.
+    """
+
+    def __init__(self, loader: ODBDataLoader, accumulation_steps: int = 1, pad_last_window: bool = True) -> None:
+        if accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+        if loader.skip_idle:
+            raise ValueError("AccumulationWindows needs the loader's idle steps (skip_idle=False): windows "
+                             "must hold the same steps on every rank")
+        if loader.config.mode != "join":
+            raise ValueError("AccumulationWindows supports join mode (every view once per epoch, resumable)")
+        self.loader = loader
+        self.accumulation_steps = accumulation_steps
+        self.pad_last_window = pad_last_window
+        self.epoch = 0
+        self.epochs_completed = 0
+        self.samples_seen = 0
+        self.tokens_seen = 0
+        self.updates = 0
+        self.samples_in_epoch = 0
+        self.at_epoch_end = False
+        """True once the last micro-batch of an epoch has been handed out (until the next ``iter()``)."""
+        self._read_ahead = 0  # batches pulled from the loader and not yet handed out
+        self._mid_window = False
+        self._resume: dict[str, Any] | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.loader.world_size
+
+    def samples_per_epoch(self) -> int:
+        """Global samples of one epoch: the sampler's views over every rank (join mode)."""
+        return len(self.loader.sampler) * self.loader.world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Ignored: the windows count epochs themselves (a resumed trainer may restart its count)."""
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        loader = self.loader
+        if self._resume is not None and self._resume.get("loader") is not None:
+            loader.load_state_dict(self._resume["loader"])
+        else:
+            loader.set_epoch(self.epoch)
+        self._resume = None
+        self.at_epoch_end = False
+        it = iter(loader)
+
+        def pull() -> tuple[Any, StepInfo] | None:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return None
+            return batch, loader.step_info
+
+        nxt = pull()
+        self._read_ahead = 0 if nxt is None else 1
+        if nxt is None:
+            self._close_epoch()
+            return
+        k = self.accumulation_steps
+        while nxt is not None:
+            window: list[tuple[Any, StepInfo]] = []
+            while nxt is not None and len(window) < k:
+                window.append(nxt)
+                nxt = pull()
+            self._read_ahead = len(window) + (nxt is not None)
+            tokens = sum(info.global_tokens for _, info in window)
+            scale = self.world_size / tokens if tokens else 0.0
+            items = [MicroBatch(batch, info, 0.0 if info.is_idle else scale, tokens, False, False)
+                     for batch, info in window]
+            if nxt is None and self.pad_last_window and len(items) < k:
+                last = items[-1]
+                items += [MicroBatch(last.batch, last.info, 0.0, tokens, True, False)] * (k - len(items))
+            items[-1] = MicroBatch(items[-1].batch, items[-1].info, items[-1].loss_multiplier, tokens,
+                                   items[-1].is_padding, True)
+            for j, item in enumerate(items):
+                if not item.is_padding:
+                    self._read_ahead -= 1
+                    self.samples_seen += item.info.global_samples
+                    self.samples_in_epoch += item.info.global_samples
+                    self.tokens_seen += item.info.global_tokens
+                self._mid_window = not item.last_in_window
+                if item.last_in_window:
+                    self.updates += 1
+                    if nxt is None:
+                        self._close_epoch()
+                yield item
+
+    def _close_epoch(self) -> None:
+        self.epoch += 1
+        self.epochs_completed += 1
+        self.samples_in_epoch = 0
+        self.at_epoch_end = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position at the current window boundary (call on every rank at the same update)."""
+        if self._mid_window:
+            raise RuntimeError("AccumulationWindows.state_dict() inside a gradient-accumulation window: the "
+                               "window's gradients are not in the model yet; save after the optimizer step")
+        loader_state = None if self.at_epoch_end else self.loader.state_dict(unconsumed=self._read_ahead)
+        if self._resume is not None:  # restored and not iterated since: hand the same state on
+            loader_state = self._resume.get("loader")
+        return {"version": 1, "epoch": self.epoch, "epochs_completed": self.epochs_completed,
+                "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen, "updates": self.updates,
+                "samples_in_epoch": self.samples_in_epoch, "accumulation_steps": self.accumulation_steps,
+                "loader": loader_state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`; the next ``iter()`` continues that epoch."""
+        if state.get("accumulation_steps") != self.accumulation_steps:
+            raise ValueError(f"state was taken with accumulation_steps={state.get('accumulation_steps')}, "
+                             f"these windows use {self.accumulation_steps}")
+        self.epoch = int(state["epoch"])
+        self.epochs_completed = int(state["epochs_completed"])
+        self.samples_seen = int(state["samples_seen"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.updates = int(state["updates"])
+        self.samples_in_epoch = int(state["samples_in_epoch"])
+        self.at_epoch_end = False
+        self._mid_window = False
+        self._read_ahead = 0
+        self._resume = dict(state)
