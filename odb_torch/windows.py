@@ -9,10 +9,13 @@ windows, the same padding and the same number of optimizer steps.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from odb_core.errors import CheckpointStateError
 from odb_torch.step_info import StepInfo
 
 if TYPE_CHECKING:
@@ -53,8 +56,9 @@ class AccumulationWindows:
     """
 
     def __init__(self, loader: ODBDataLoader, accumulation_steps: int = 1, pad_last_window: bool = True) -> None:
-        if accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+        if not 1 <= accumulation_steps <= 63:
+            raise ValueError(f"accumulation_steps must be in 1..63 (the loader hands back at most 64 read-ahead "
+                             f"batches), got {accumulation_steps}")
         if loader.skip_idle:
             raise ValueError("AccumulationWindows needs the loader's idle steps (skip_idle=False): windows "
                              "must hold the same steps on every rank")
@@ -171,3 +175,44 @@ class AccumulationWindows:
         self._mid_window = False
         self._read_ahead = 0
         self._resume = dict(state)
+
+
+def state_file(folder: str, rank: int) -> str:
+    """Where rank ``rank``'s window and loader position lives inside a checkpoint folder."""
+    return os.path.join(folder, f"odb_state_rank{rank}.json")
+
+
+def save_windows_state(windows: AccumulationWindows, folder: str) -> str:
+    """Write this rank's :meth:`AccumulationWindows.state_dict` into ``folder`` (atomically); returns the path.
+
+    Call it on every rank at the same update: each rank holds different views, so
+    unlike model weights the state is per rank.
+    """
+    if not os.path.isdir(folder):
+        raise CheckpointStateError(f"checkpoint folder {folder} does not exist; cannot store ODB's loader state")
+    path = state_file(folder, windows.loader.rank)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(windows.state_dict(), fh)
+    os.replace(tmp, path)
+    return path
+
+
+def load_windows_state(windows: AccumulationWindows, folder: str) -> None:
+    """Restore this rank's state from ``folder``; the next ``iter(windows)`` continues where it was saved.
+
+    Raises :class:`~odb_core.errors.CheckpointStateError` naming the file when it is missing
+    or does not fit this run (rank, world size, seed, accumulation steps).
+    """
+    path = state_file(folder, windows.loader.rank)
+    if not os.path.isfile(path):
+        raise CheckpointStateError(f"{path} is missing: checkpoint {folder} holds no ODB state for rank "
+                                   f"{windows.loader.rank}")
+    with open(path) as fh:
+        state = json.load(fh)
+    try:
+        windows.load_state_dict(state)
+        if state.get("loader") is not None:
+            windows.loader.load_state_dict(state["loader"])  # validates rank, world size and seed
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointStateError(f"{path}: {exc}") from None

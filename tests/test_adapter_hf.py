@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import pytest
 pytest.importorskip("transformers", reason="the hf extra is not installed")
 
 from odb_torch.demo.synthetic import TokenDataset  # noqa: E402
-from torch_support import run_torchrun  # noqa: E402
+from torch_support import check_windows, run_torchrun, trained  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -35,29 +34,6 @@ def run(tmp: Path, tag: str, world: int, epochs: int, accum: int, save_steps: in
     return [json.loads((tmp / f"{tag}_rank{r}.json").read_text()) for r in range(world)]
 
 
-def trained(ranks: list[dict[str, Any]], keep=lambda rec: True) -> dict[int, list[int]]:
-    """Dataset indices trained per epoch, over every rank (padding and idle steps excluded)."""
-    per_epoch: dict[int, list[int]] = defaultdict(list)
-    for r in ranks:
-        for rec in r["records"]:
-            if not rec["padding"] and not rec["idle"] and keep(rec):
-                per_epoch[rec["epoch"]].extend(rec["indices"])
-    return per_epoch
-
-
-def check_windows(ranks: list[dict[str, Any]], accum: int) -> None:
-    world = len(ranks)
-    by_update: dict[int, list[list[dict[str, Any]]]] = defaultdict(lambda: [[] for _ in ranks])
-    for r, data in enumerate(ranks):
-        for rec in data["records"]:
-            by_update[rec["update"]][r].append(rec)
-    for update, per_rank in by_update.items():
-        sizes = [len(recs) for recs in per_rank]
-        assert sizes == [accum] * world, f"P2: update {update} had micro-batches {sizes} per rank"
-        share = sum(rec["local_tokens"] * rec["multiplier"] for recs in per_rank for rec in recs) / world
-        assert math.isclose(share, 1.0, rel_tol=1e-12), f"P7: update {update} weights sum to {share}, not 1"
-
-
 def check_lr_follows_samples(ranks: list[dict[str, Any]]) -> None:
     total = ranks[0]["total_samples"]
     warmup = math.ceil(total * WARMUP)
@@ -71,11 +47,11 @@ def check_lr_follows_samples(ranks: list[dict[str, Any]]) -> None:
 
 def test_hf_trainer_w1_epochs_weights_schedule_throughput(tmp_path):
     ranks = run(tmp_path, "w1", world=1, epochs=2, accum=2)
-    per_epoch = trained(ranks)
+    per_epoch = trained([r["records"] for r in ranks])
     assert sorted(per_epoch) == [0, 1]
     for epoch, ids in per_epoch.items():
         assert sorted(ids) == list(range(N)), f"P4: epoch {epoch} trained {len(ids)} views, not each of {N} once"
-    check_windows(ranks, accum=2)
+    check_windows([r["records"] for r in ranks], accum=2)
     check_lr_follows_samples(ranks)
     m = ranks[0]["metrics"]
     assert abs(m["train_samples_per_second"] * m["train_runtime"] - 2 * N) < 1.0, (
@@ -95,15 +71,15 @@ def test_hf_trainer_w2_resume_mid_epoch_loses_nothing_repeats_nothing(tmp_path):
     (tmp_path / "run" / "checkpoint-6").exists() and pytest.fail("no checkpoint was due at update 6")
     second = run(tmp_path, "b", world=2, epochs=2, accum=2, save_steps=4, resume=True)
     assert min(rec["update"] for r in second for rec in r["records"]) == 4
-    before = trained(first, keep=lambda rec: rec["update"] < 4)
-    after = trained(second)
+    before = trained([r["records"] for r in first], keep=lambda rec: rec["update"] < 4)
+    after = trained([r["records"] for r in second])
     for epoch in (0, 1):
         ids = before.get(epoch, []) + after.get(epoch, [])
         twice = sorted({i for i in ids if ids.count(i) > 1})
         missing = sorted(set(range(N)) - set(ids))
         assert not twice and not missing, f"P4 across the resume, epoch {epoch}: twice {twice}, lost {missing}"
-    check_windows(first, accum=2)
-    check_windows(second, accum=2)
+    check_windows([r["records"] for r in first], accum=2)
+    check_windows([r["records"] for r in second], accum=2)
     check_lr_follows_samples(second)
     m = second[0]["metrics"]
     resumed_samples = sum(len(ids) for ids in after.values())

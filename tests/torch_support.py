@@ -249,3 +249,34 @@ def run_torchrun(script: Path, args: list[str], nproc: int, timeout: float = 240
     leftovers = wait_for_no_leftovers(tag)
     assert not leftovers, f"processes left behind: {leftovers}"
     return log
+
+
+def trained(ranks: list[dict[str, Any]], keep: Any = lambda rec: True) -> dict[int, list[int]]:
+    """Dataset indices trained per epoch over every rank's micro-batch records (padding and idle excluded)."""
+    from collections import defaultdict
+
+    per_epoch: dict[int, list[int]] = defaultdict(list)
+    for records in ranks:
+        for rec in records:
+            if not rec["padding"] and not rec["idle"] and keep(rec):
+                per_epoch[rec["epoch"]].extend(rec["indices"])
+    return per_epoch
+
+
+def check_windows(ranks: list[list[dict[str, Any]]], accum: int | None = None) -> None:
+    """P2: every rank trains the same number of micro-batches per update (``accum`` when given);
+    P7: the loss weights of each update, over every rank, sum to exactly one."""
+    import math
+    from collections import defaultdict
+
+    world = len(ranks)
+    by_update: dict[int, list[list[dict[str, Any]]]] = defaultdict(lambda: [[] for _ in ranks])
+    for r, records in enumerate(ranks):
+        for rec in records:
+            by_update[rec["update"]][r].append(rec)
+    for update, per_rank in by_update.items():
+        sizes = [len(recs) for recs in per_rank]
+        assert len(set(sizes)) == 1 and (accum is None or sizes[0] == accum), (
+            f"P2: update {update} had micro-batches {sizes} per rank")
+        share = sum(rec["local_tokens"] * rec["multiplier"] for recs in per_rank for rec in recs) / world
+        assert math.isclose(share, 1.0, rel_tol=1e-12), f"P7: update {update} weights sum to {share}, not 1"

@@ -15,15 +15,15 @@ from torch.utils.data import Dataset
 class TokenDataset(Dataset):  # type: ignore[type-arg]
     """``n`` samples ``{"input_ids", "labels", "idx"}``; the first quarter of each is prompt (labels -100)."""
 
-    def __init__(self, n: int = 96, vocab_size: int = 128, max_length: int = 192) -> None:
-        self.n, self.vocab_size, self.max_length = n, vocab_size, max_length
+    def __init__(self, n: int = 96, vocab_size: int = 128, max_length: int = 192, long_every: int = 7) -> None:
+        self.n, self.vocab_size, self.max_length, self.long_every = n, vocab_size, max_length, long_every
 
     def __len__(self) -> int:
         return self.n
 
     def length(self, i: int) -> int:
-        """Length of sample ``i``: mostly 4-40 tokens, every 7th up to ``max_length``."""
-        if i % 7 == 0:
+        """Length of sample ``i``: mostly 4-40 tokens, every ``long_every``-th 40 to ``max_length``."""
+        if i % self.long_every == 0:
             return min(self.max_length, 40 + (i * 37) % self.max_length)
         return 4 + (i * 13) % 37
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
 import math
 import os
 import time
@@ -36,21 +35,16 @@ from transformers import Trainer, TrainerCallback, get_scheduler
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from odb_core.errors import CheckpointStateError, LossTokenMismatchError
+from odb_core.errors import LossTokenMismatchError
 from odb_torch.collate import pad_collate
 from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import causal_lm_loss_sum, logits_of, shifted_loss_tokens
-from odb_torch.windows import AccumulationWindows, MicroBatch
+from odb_torch.windows import AccumulationWindows, MicroBatch, load_windows_state, save_windows_state
 
 #: the key under which each batch carries its :class:`MicroBatch` through ``Trainer``
 ODB_KEY = "odb_micro_batch"
 
 LossSumFn = Callable[[torch.nn.Module, dict[str, Any]], tuple[torch.Tensor, int]]
-
-
-def state_file(checkpoint_dir: str, rank: int) -> str:
-    """Where rank ``rank``'s loader position lives inside a checkpoint folder."""
-    return os.path.join(checkpoint_dir, f"odb_state_rank{rank}.json")
 
 
 class ProgressByLR(LRScheduler):
@@ -118,13 +112,7 @@ class _ODBControl(TrainerCallback):
         if w is None:
             return control
         folder = os.path.join(self.trainer._get_output_dir(trial=None), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if not os.path.isdir(folder):
-            raise CheckpointStateError(f"checkpoint folder {folder} does not exist; cannot store ODB's loader state")
-        path = state_file(folder, w.loader.rank)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump(w.state_dict(), fh)
-        os.replace(tmp, path)
+        save_windows_state(w, folder)
         return control
 
 
@@ -256,18 +244,7 @@ class ODBTrainer(Trainer):
             loader = ODBDataLoader(cast(Any, self.train_dataset), token_budget=self.odb_token_budget, **kw)
             self.odb_windows = AccumulationWindows(loader, self.args.gradient_accumulation_steps)
         if self._odb_resume is not None:
-            path = state_file(self._odb_resume, self.odb_windows.loader.rank)
-            if not os.path.isfile(path):
-                raise CheckpointStateError(f"{path} is missing: checkpoint {self._odb_resume} was not written by "
-                                           "ODBTrainer, or not by this rank")
-            with open(path) as fh:
-                state = json.load(fh)
-            try:
-                self.odb_windows.load_state_dict(state)
-                if state.get("loader") is not None:
-                    self.odb_windows.loader.load_state_dict(state["loader"])  # validates rank, world, seed
-            except (ValueError, KeyError) as exc:
-                raise CheckpointStateError(f"{path}: {exc}") from None
+            load_windows_state(self.odb_windows, self._odb_resume)
             self._odb_resume = None
         w = self.odb_windows
         self._odb_run_start = (w.samples_seen, w.updates, time.time())

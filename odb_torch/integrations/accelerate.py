@@ -1,0 +1,108 @@
+"""Helpers for a custom Hugging Face Accelerate loop over ODB batches (extra ``odb-verified[accelerate]``).
+
+Two ways to keep DDP ranks in step:
+
+* **lockstep** (default, recommended): every rank yields the same number of micro-batches
+  (P2; idle ranks get zero-weight batches), read in gradient-accumulation windows::
+
+      model, optimizer, windows = prepare(accelerator, model, optimizer, dataset,
+                                          token_budget=8192, accumulation_steps=4)
+      for epoch in range(epochs):
+          for micro in windows:
+              batch = send_to_device(micro.batch, accelerator.device)
+              with sync_context(accelerator, model, micro):
+                  loss_sum, _ = my_summed_token_loss(model, batch)
+                  backward(accelerator, loss_sum, micro)      # exact over the window (P7)
+              if micro.last_in_window:
+                  optimizer.step(); optimizer.zero_grad()
+
+* **join**: ``odb_loader(..., skip_idle=True)`` inside :func:`join_uneven_inputs`, for
+  code built around torch's ``Join``; the multiplier is :func:`step_multiplier`, one
+  optimizer step per batch.
+
+Checkpoints: :func:`save_odb_state` / :func:`load_odb_state` next to ``accelerator.save_state``
+/ ``load_state`` (ODB's state is per rank; Accelerate's custom-object checkpointing writes
+only the main process's). Nothing here patches Accelerate or torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel
+
+from odb_torch.collate import pad_collate
+from odb_torch.loader import ODBDataLoader
+from odb_torch.losses import shifted_loss_tokens
+from odb_torch.step_info import StepInfo
+from odb_torch.windows import AccumulationWindows, MicroBatch, load_windows_state, save_windows_state
+
+
+def odb_loader(accelerator: Any, dataset: Any, *, token_budget: int, **loader_kwargs: Any) -> ODBDataLoader:
+    """An :class:`~odb_torch.ODBDataLoader` for this process (rank and world size from ``accelerator``).
+
+    Do not pass it to ``accelerator.prepare``: Accelerate would re-shard it. ``loss_tokens_fn``
+    defaults to :func:`~odb_torch.losses.shifted_loss_tokens` (causal LMs), ``collate_fn`` to
+    :func:`~odb_torch.pad_collate`.
+    """
+    loader_kwargs.setdefault("loss_tokens_fn", shifted_loss_tokens)
+    loader_kwargs.setdefault("collate_fn", pad_collate)
+    loader_kwargs.setdefault("rank", accelerator.process_index)
+    loader_kwargs.setdefault("world_size", accelerator.num_processes)
+    return ODBDataLoader(dataset, token_budget=token_budget, **loader_kwargs)
+
+
+def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Any, *,
+            token_budget: int, accumulation_steps: int = 1, pad_last_window: bool = False,
+            **loader_kwargs: Any) -> tuple[Any, Any, AccumulationWindows]:
+    """``accelerator.prepare(model, optimizer)`` plus ODB windows over ``dataset`` (lockstep mode)."""
+    model, optimizer = accelerator.prepare(model, optimizer)
+    windows = AccumulationWindows(odb_loader(accelerator, dataset, token_budget=token_budget, **loader_kwargs),
+                                  accumulation_steps, pad_last_window=pad_last_window)
+    return model, optimizer, windows
+
+
+def sync_context(accelerator: Any, model: Any, micro: MicroBatch) -> contextlib.AbstractContextManager[Any]:
+    """``accelerator.no_sync(model)`` inside a window, a plain context on its last micro-batch (all-reduce once)."""
+    return contextlib.nullcontext() if micro.last_in_window else accelerator.no_sync(model)
+
+
+def backward(accelerator: Any, loss_sum: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
+    """Backward of ``loss_sum x micro.loss_multiplier``; returns the scaled loss (P7)."""
+    loss = loss_sum * micro.loss_multiplier
+    accelerator.backward(loss)
+    return loss
+
+
+def step_multiplier(info: StepInfo, world_size: int) -> float:
+    """The summed-loss multiplier of one step without accumulation: ``W / global_tokens`` (0 when idle)."""
+    return 0.0 if info.is_idle or info.global_tokens == 0 else world_size / info.global_tokens
+
+
+@contextlib.contextmanager
+def join_uneven_inputs(accelerator: Any, model: Any) -> Iterator[None]:
+    """torch ``Join`` over a DDP ``model``, for loaders with ``skip_idle=True`` (a no-op for one process).
+
+    A rank that runs out joins; its shadow all-reduces contribute zero gradients and DDP
+    still divides by the initial world size, so :func:`step_multiplier` stays exact (P7).
+    torch's ``Join`` is used directly: Accelerate's ``join_uneven_inputs`` does nothing on CPU.
+    """
+    if isinstance(model, DistributedDataParallel):
+        with Join([model], throw_on_early_termination=False):
+            yield
+    else:
+        yield
+
+
+def save_odb_state(windows: AccumulationWindows, folder: str) -> str:
+    """This rank's ODB position into ``folder`` (e.g. the one ``accelerator.save_state`` wrote); every rank calls it."""
+    return save_windows_state(windows, folder)
+
+
+def load_odb_state(windows: AccumulationWindows, folder: str) -> None:
+    """Restore this rank's ODB position from ``folder`` before the next ``iter(windows)``."""
+    load_windows_state(windows, folder)

@@ -1,0 +1,80 @@
+"""The Accelerate guide's loops run by the adapter tests under torchrun (W = 1 or 2).
+
+    torchrun ... tests/accelerate_worker.py OUT lockstep|join
+
+lockstep: run A checkpoints after update 5 and stops (a crash), run B resumes and finishes
+2 epochs; every micro-batch is recorded, and at A's first update the DDP gradient is
+compared with a single-process per-token-mean gradient over the same samples.
+join: skip_idle batches under torch Join; every yielded step is recorded.
+Writes OUT/<mode>_rank{r}.json.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "examples"))
+import accelerate_loop as guide  # noqa: E402
+
+from odb_torch import pad_collate  # noqa: E402
+from odb_torch.demo.synthetic import TokenDataset  # noqa: E402
+
+
+def record(micro: Any, update: int, out: list[dict[str, Any]]) -> None:
+    out.append({"update": update, "epoch": micro.info.epoch, "indices": list(micro.info.indices),
+                "padding": micro.is_padding, "idle": micro.info.is_idle, "multiplier": micro.loss_multiplier,
+                "local_tokens": micro.info.local_tokens})
+
+
+def main() -> None:
+    out, mode = sys.argv[1], sys.argv[2]
+    result: dict[str, Any] = {}
+    if mode == "lockstep":
+        runs: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
+        grad_check: dict[str, float] = {}
+
+        def before_step(model: Any, micro: Any) -> None:
+            if grad_check:
+                return
+            mine = [i for rec in runs["a"] if rec["update"] == 0 and not rec["padding"] and not rec["idle"]
+                    for i in rec["indices"]]
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            gathered: list[Any] = [None] * world
+            if world > 1:
+                dist.all_gather_object(gathered, mine)
+            else:
+                gathered = [mine]
+            ids = [i for part in gathered for i in part]
+            inner = model.module if hasattr(model, "module") else model
+            ref = copy.deepcopy(inner)
+            ref.zero_grad()
+            batch = pad_collate([TokenDataset(96)[i] for i in ids])
+            loss_sum, count = ref(batch["input_ids"], batch["labels"])
+            (loss_sum / count).backward()
+            diffs = [((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item()
+                     for p, q in zip(inner.parameters(), ref.parameters())]
+            grad_check.update({"max_rel_err": max(diffs), "samples": len(ids)})
+
+        result["updates_a"] = guide.train_lockstep(out, save_at=5, on_micro=lambda m, u: record(m, u, runs["a"]),
+                                                   before_step=before_step)
+        result["updates_b"] = guide.train_lockstep(out, resume=True, on_micro=lambda m, u: record(m, u, runs["b"]))
+        result.update(runs=runs, grad_check=grad_check)
+    else:
+        steps: list[dict[str, Any]] = []
+        guide.train_join(on_batch=lambda info: steps.append(
+            {"epoch": info.epoch, "step": info.step, "indices": list(info.indices)}))
+        result["steps"] = steps
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    Path(out, f"{mode}_rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()
