@@ -49,7 +49,7 @@ class AccumulationWindows:
     micro-batches (trainers that count micro-batches to decide when to step need this);
     without it the last window is shorter, on every rank alike.
 
-    :meth:`state_dict` at a window boundary, restored with :meth:`load_state_dict` before
+    :meth:`state_dict` (at the start of the current window), restored with :meth:`load_state_dict` before
     the next ``iter()``, resumes mid-epoch with nothing emitted twice and nothing lost (P4),
     including the batch read ahead. Counters (``samples_seen``, ``tokens_seen``,
     ``updates``, ``epochs_completed``) count real samples and loss tokens of every rank.
@@ -77,6 +77,7 @@ class AccumulationWindows:
         """True once the last micro-batch of an epoch has been handed out (until the next ``iter()``)."""
         self._read_ahead = 0  # batches pulled from the loader and not yet handed out
         self._mid_window = False
+        self._window = [0, 0, 0]
         self._resume: dict[str, Any] | None = None
 
     @property
@@ -128,18 +129,25 @@ class AccumulationWindows:
                 items += [MicroBatch(last.batch, last.info, 0.0, tokens, True, False)] * (k - len(items))
             items[-1] = MicroBatch(items[-1].batch, items[-1].info, items[-1].loss_multiplier, tokens,
                                    items[-1].is_padding, True)
-            for j, item in enumerate(items):
+            self._window = [0, 0, 0]  # real micro-batches, samples and tokens handed out of this window
+            for item in items:
                 if not item.is_padding:
                     self._read_ahead -= 1
-                    self.samples_seen += item.info.global_samples
-                    self.samples_in_epoch += item.info.global_samples
-                    self.tokens_seen += item.info.global_tokens
+                    self._count(item.info.global_samples, item.info.global_tokens, +1)
                 self._mid_window = not item.last_in_window
                 if item.last_in_window:
                     self.updates += 1
+                    self._window = [0, 0, 0]
                     if nxt is None:
                         self._close_epoch()
                 yield item
+
+    def _count(self, samples: int, tokens: int, sign: int) -> None:
+        self.samples_seen += sign * samples
+        self.samples_in_epoch += sign * samples
+        self.tokens_seen += sign * tokens
+        w = self._window
+        w[0], w[1], w[2] = w[0] + sign, w[1] + sign * samples, w[2] + sign * tokens
 
     def _close_epoch(self) -> None:
         self.epoch += 1
@@ -148,17 +156,22 @@ class AccumulationWindows:
         self.at_epoch_end = True
 
     def state_dict(self) -> dict[str, Any]:
-        """The position at the current window boundary (call on every rank at the same update)."""
-        if self._mid_window:
-            raise RuntimeError("AccumulationWindows.state_dict() inside a gradient-accumulation window: the "
-                               "window's gradients are not in the model yet; save after the optimizer step")
-        loader_state = None if self.at_epoch_end else self.loader.state_dict(unconsumed=self._read_ahead)
+        """The position at the start of the current window (call on every rank at the same update).
+
+        Taken between windows (after an optimizer step) it is exactly the current position.
+        Taken inside a window (e.g. a trainer that fetched the next window's first batch
+        ahead), the window's micro-batches handed out so far are handed back: their gradients
+        never reached the optimizer, so a resume trains them again, once (P4).
+        """
+        handed, samples, tokens = self._window if self._mid_window else (0, 0, 0)
+        loader_state = (None if self.at_epoch_end
+                        else self.loader.state_dict(unconsumed=self._read_ahead + handed))
         if self._resume is not None:  # restored and not iterated since: hand the same state on
             loader_state = self._resume.get("loader")
         return {"version": 1, "epoch": self.epoch, "epochs_completed": self.epochs_completed,
-                "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen, "updates": self.updates,
-                "samples_in_epoch": self.samples_in_epoch, "accumulation_steps": self.accumulation_steps,
-                "loader": loader_state}
+                "samples_seen": self.samples_seen - samples, "tokens_seen": self.tokens_seen - tokens,
+                "updates": self.updates, "samples_in_epoch": self.samples_in_epoch - samples,
+                "accumulation_steps": self.accumulation_steps, "loader": loader_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`; the next ``iter()`` continues that epoch."""
@@ -173,6 +186,7 @@ class AccumulationWindows:
         self.samples_in_epoch = int(state["samples_in_epoch"])
         self.at_epoch_end = False
         self._mid_window = False
+        self._window = [0, 0, 0]
         self._read_ahead = 0
         self._resume = dict(state)
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+from torch.optim.lr_scheduler import LambdaLR
 from transformers import Trainer, TrainerCallback, get_scheduler
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
@@ -39,37 +39,13 @@ from odb_core.errors import LossTokenMismatchError
 from odb_torch.collate import pad_collate
 from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import causal_lm_loss_sum, logits_of, shifted_loss_tokens
+from odb_torch.schedule import ProgressLR
 from odb_torch.windows import AccumulationWindows, MicroBatch, load_windows_state, save_windows_state
 
 #: the key under which each batch carries its :class:`MicroBatch` through ``Trainer``
 ODB_KEY = "odb_micro_batch"
 
 LossSumFn = Callable[[torch.nn.Module, dict[str, Any]], tuple[torch.Tensor, int]]
-
-
-class ProgressByLR(LRScheduler):
-    """An LR schedule driven by a progress counter (samples seen) instead of the step count.
-
-    ``lr = base_lr x factor(progress())``, with the factor functions of a ``LambdaLR`` built
-    over progress units (HF's ``get_scheduler`` with ``num_training_steps`` = total samples).
-    """
-
-    def __init__(self, schedule: LambdaLR, progress: Callable[[], int]) -> None:
-        self._factors = list(schedule.lr_lambdas)
-        self._progress = progress
-        super().__init__(schedule.optimizer)
-
-    def get_lr(self) -> list[float]:  # type: ignore[override]
-        at = self._progress()
-        return [float(base) * float(factor(at)) for base, factor in zip(self.base_lrs, self._factors)]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"last_epoch": self.last_epoch, "_last_lr": list(self._last_lr), "base_lrs": list(self.base_lrs)}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.last_epoch = int(state_dict["last_epoch"])
-        self.base_lrs = list(state_dict["base_lrs"])
-        self._last_lr = list(state_dict["_last_lr"])
 
 
 class _Batches:
@@ -282,7 +258,7 @@ class ODBTrainer(Trainer):
 
     # -- schedule and reporting ---------------------------------------------------------------
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
-        """The ``args.lr_scheduler_type`` shape over samples seen (:class:`ProgressByLR`)."""
+        """The ``args.lr_scheduler_type`` shape over samples seen (:class:`~odb_torch.schedule.ProgressLR`)."""
         if self.lr_scheduler is None:
             total = self.odb_total_samples
             warmup = (self.odb_warmup_samples if self.odb_warmup_samples is not None
@@ -295,7 +271,8 @@ class ODBTrainer(Trainer):
             if not isinstance(base, LambdaLR):
                 raise ValueError(f"lr_scheduler_type={self.args.lr_scheduler_type!r} is not a LambdaLR schedule; "
                                  "ODBTrainer follows samples seen with LambdaLR shapes (linear, cosine, constant...)")
-            self.lr_scheduler = cast(Any, ProgressByLR(base, lambda: self.odb_windows.samples_seen if self.odb_windows else 0))
+            self.lr_scheduler = cast(Any, ProgressLR(
+                opt, list(base.lr_lambdas), lambda: self.odb_windows.samples_seen if self.odb_windows else 0))
             self._created_lr_scheduler = True
         return self.lr_scheduler
 

@@ -1,0 +1,168 @@
+"""Lightning adapter: :class:`ODBLightningCallback` (extra ``odb-verified[lightning]``).
+
+One callback owns the ODB loader and gives Lightning an iterable of batches::
+
+    odb = ODBLightningCallback(dataset, token_budget=8192, accumulate_grad_batches=4)
+    trainer = L.Trainer(callbacks=[odb], accumulate_grad_batches=4, ...)
+    trainer.fit(module, train_dataloaders=odb.train_dataloader())
+
+    # in the LightningModule
+    def training_step(self, batch, batch_idx):
+        loss_sum, _ = self.model(batch["input_ids"], batch["labels"])   # summed token loss
+        return ODBLightningCallback.loss(loss_sum, batch)               # exact over the window (P7)
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": odb.lr_scheduler(opt), "interval": "step"}}
+
+Each batch is the collate_fn's dict plus plain ``odb_*`` fields (loss multiplier,
+accumulation steps, epoch, dataset indices...). Every rank yields the same number of
+batches (P2), so Lightning's DDP never hangs on uneven data; epochs end when the data
+does. Checkpoints carry every rank's loader position (gathered into the callback's
+state), so ``fit(ckpt_path=...)`` resumes mid-epoch with nothing trained twice or lost
+(P4). The LR schedule follows samples seen. Nothing in Lightning or torch is patched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback
+
+from odb_core.errors import CheckpointStateError
+from odb_torch.collate import pad_collate
+from odb_torch.loader import ODBDataLoader
+from odb_torch.losses import shifted_loss_tokens
+from odb_torch.schedule import ProgressLR, warmup_cosine, warmup_linear
+from odb_torch.windows import AccumulationWindows, MicroBatch
+
+
+def odb_fields(mb: MicroBatch) -> dict[str, Any]:
+    """The plain ``odb_*`` fields a batch carries (plain types, so Lightning's device transfer keeps them)."""
+    return {"odb_loss_multiplier": mb.loss_multiplier, "odb_epoch": mb.info.epoch, "odb_step": mb.info.step,
+            "odb_indices": list(mb.info.indices), "odb_is_idle": mb.info.is_idle, "odb_is_padding": mb.is_padding,
+            "odb_last_in_window": mb.last_in_window, "odb_local_tokens": mb.info.local_tokens,
+            "odb_global_samples": mb.info.global_samples}
+
+
+class _TrainBatches:
+    """The iterable handed to Lightning: one epoch of window micro-batches per ``iter()``."""
+
+    def __init__(self, owner: ODBLightningCallback) -> None:
+        self.owner = owner
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        k = self.owner.accumulate_grad_batches
+        for mb in self.owner.windows():
+            if not isinstance(mb.batch, dict):
+                raise TypeError(f"ODBLightningCallback needs collate_fn to return a dict, got "
+                                f"{type(mb.batch).__name__} (dataset indices {list(mb.info.indices)})")
+            yield {**mb.batch, **odb_fields(mb), "odb_accumulation": k}
+
+
+class ODBLightningCallback(Callback):
+    """Owns an :class:`~odb_torch.ODBDataLoader` for a Lightning run (join mode, lockstep).
+
+    Args:
+        dataset: map-style dataset.
+        token_budget: L_max per micro-batch.
+        accumulate_grad_batches: must equal the Trainer's (checked at fit start).
+        loader_kwargs: further ODBDataLoader keywords; ``collate_fn`` defaults to
+            :func:`~odb_torch.pad_collate`, ``loss_tokens_fn`` to shifted labels (causal LMs).
+    """
+
+    def __init__(self, dataset: Any, *, token_budget: int, accumulate_grad_batches: int = 1,
+                 **loader_kwargs: Any) -> None:
+        if loader_kwargs.get("mode", "join") != "join" or loader_kwargs.get("skip_idle"):
+            raise ValueError("ODBLightningCallback needs join mode without skip_idle (lockstep, resumable)")
+        loader_kwargs.setdefault("collate_fn", pad_collate)
+        loader_kwargs.setdefault("loss_tokens_fn", shifted_loss_tokens)
+        self.dataset, self.token_budget, self.loader_kwargs = dataset, token_budget, loader_kwargs
+        self.accumulate_grad_batches = accumulate_grad_batches
+        self._windows: AccumulationWindows | None = None
+        self._pending: dict[str, Any] | None = None  # a restored state, applied when the windows exist
+        self._t0 = time.monotonic()
+        self._samples0 = 0
+
+    # -- data -------------------------------------------------------------------------------
+    def train_dataloader(self) -> _TrainBatches:
+        """The iterable to pass as ``train_dataloaders`` (or return from ``train_dataloader()``)."""
+        return _TrainBatches(self)
+
+    def windows(self) -> AccumulationWindows:
+        """The windows over the loader, built on first use (after Lightning set up the process group)."""
+        if self._windows is None:
+            loader = ODBDataLoader(self.dataset, token_budget=self.token_budget, **self.loader_kwargs)
+            self._windows = AccumulationWindows(loader, self.accumulate_grad_batches, pad_last_window=False)
+        if self._pending is not None:
+            states = self._pending["ranks"]
+            rank = self._windows.loader.rank
+            if len(states) != self._windows.loader.world_size:
+                raise CheckpointStateError(f"checkpoint holds ODB state for {len(states)} ranks, this run has "
+                                           f"{self._windows.loader.world_size}")
+            try:
+                self._windows.load_state_dict(states[rank])
+                if states[rank].get("loader") is not None:
+                    self._windows.loader.load_state_dict(states[rank]["loader"])
+            except (ValueError, KeyError) as exc:
+                raise CheckpointStateError(f"ODB state of rank {rank} in the checkpoint: {exc}") from None
+            self._pending = None
+        return self._windows
+
+    @staticmethod
+    def loss(loss_sum: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+        """``loss_sum x W / window_tokens x K``: Lightning divides by K, DDP averages over W (P7)."""
+        scaled: torch.Tensor = loss_sum * (batch["odb_loss_multiplier"] * batch["odb_accumulation"])
+        return scaled
+
+    def lr_scheduler(self, optimizer: torch.optim.Optimizer, *, epochs: int, warmup: float = 0.0,
+                     shape: str = "cosine") -> ProgressLR:
+        """A ``shape`` schedule ("cosine" or "linear") over ``epochs`` epochs of samples seen;
+        ``warmup`` is a fraction of them. Step it every optimizer step (``"interval": "step"``)."""
+        w = self.windows()
+        total = epochs * w.samples_per_epoch()
+        warm = int(round(warmup * total))
+        factor = warmup_cosine(warm, total) if shape == "cosine" else warmup_linear(warm, total)
+        return ProgressLR(optimizer, factor, lambda: self.windows().samples_seen)
+
+    # -- Lightning hooks ----------------------------------------------------------------------
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.accumulate_grad_batches != self.accumulate_grad_batches:
+            raise ValueError(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) differs from "
+                             f"ODBLightningCallback(accumulate_grad_batches={self.accumulate_grad_batches})")
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._t0, self._samples0 = time.monotonic(), self.windows().samples_seen
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not batch.get("odb_last_in_window"):
+            return
+        w = self.windows()
+        elapsed = max(time.monotonic() - self._t0, 1e-9)
+        pl_module.log_dict({"odb_samples_seen": float(w.samples_seen), "odb_tokens_seen": float(w.tokens_seen),
+                            "odb_samples_per_second": (w.samples_seen - self._samples0) / elapsed},
+                           on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._windows is not None:
+            self._windows.loader.close()
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's position, gathered (Lightning writes the checkpoint from rank 0 only)."""
+        mine = self.windows().state_dict()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            ranks: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
+        else:
+            ranks = [mine]
+        return {"version": 1, "ranks": ranks}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "ranks" not in state_dict:
+            raise CheckpointStateError("the checkpoint's ODBLightningCallback state has no 'ranks'")
+        self._pending = state_dict

@@ -1,0 +1,54 @@
+"""The Lightning guide's fit run by the adapter tests under torchrun (W = 1 or 2).
+
+    torchrun ... tests/lightning_worker.py OUT TAG STOP_AT RESUME(0|1)
+
+Writes OUT/TAG_rank{r}.json: every micro-batch trained (update, epoch, indices, padding,
+idle, multiplier, local tokens), the LR after each update with the samples seen then.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "examples"))
+import lightning_fit as guide  # noqa: E402
+
+
+class RecordingLM(guide.LitLM):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.records: list[dict[str, Any]] = []
+        self.lrs: list[dict[str, Any]] = []
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        self.records.append({"update": self.trainer.global_step, "epoch": batch["odb_epoch"],
+                             "indices": list(batch["odb_indices"]), "padding": batch["odb_is_padding"],
+                             "idle": batch["odb_is_idle"], "multiplier": batch["odb_loss_multiplier"],
+                             "local_tokens": batch["odb_local_tokens"]})
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+        if batch["odb_last_in_window"]:
+            self.lrs.append({"update": self.trainer.global_step, "samples_seen": self.odb.windows().samples_seen,
+                             "lr": self.trainer.optimizers[0].param_groups[0]["lr"]})
+
+
+def main() -> None:
+    out, tag, stop_at, resume = sys.argv[1:5]
+    trainer, module, odb = guide.make(str(Path(out) / "run"), stop_at=int(stop_at), module_cls=RecordingLM)
+    ckpt = None
+    if resume == "1":
+        ckpt = max(glob.glob(os.path.join(out, "run", "ckpt", "*.ckpt")), key=os.path.getmtime)
+    trainer.fit(module, train_dataloaders=odb.train_dataloader(), ckpt_path=ckpt)
+    Path(out, f"{tag}_rank{trainer.global_rank}.json").write_text(json.dumps({
+        "records": module.records, "lrs": module.lrs, "global_step": trainer.global_step,
+        "samples_per_epoch": odb.windows().samples_per_epoch(), "ckpt": ckpt}))
+
+
+if __name__ == "__main__":
+    main()
