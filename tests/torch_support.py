@@ -280,3 +280,8 @@ def check_windows(ranks: list[list[dict[str, Any]]], accum: int | None = None) -
             f"P2: update {update} had micro-batches {sizes} per rank")
         share = sum(rec["local_tokens"] * rec["multiplier"] for recs in per_rank for rec in recs) / world
         assert math.isclose(share, 1.0, rel_tol=1e-12), f"P7: update {update} weights sum to {share}, not 1"
+
+
+def every_token_counts(sample: dict[str, Any]) -> int:
+    """Every position as a loss token (a wrong count for a causal loss over masked labels, on purpose)."""
+    return len(sample["input_ids"])

@@ -1,0 +1,94 @@
+"""Adapter contracts that need no multi-process run: no global patching, argument checks,
+and a loss that counts different tokens than the loader is a named error (P7)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("transformers", reason="the hf extra is not installed")
+pytest.importorskip("lightning", reason="the lightning extra is not installed")
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_adapters_patch_nothing_global(tmp_path):
+    """Importing every adapter and building an ODBTrainer leaves torch's DataLoader, HF's Trainer,
+    Accelerate's Accelerator and Lightning's Trainer classes exactly as they were."""
+    script = textwrap.dedent(f"""
+        import torch.utils.data as tud, transformers, accelerate, lightning.pytorch as pl
+        classes = [tud.DataLoader, tud.DistributedSampler, transformers.Trainer, accelerate.Accelerator, pl.Trainer]
+        before = [dict(vars(c)) for c in classes]
+        import odb_torch.integrations.hf, odb_torch.integrations.accelerate, odb_torch.integrations.lightning
+        import sys; sys.path.insert(0, "docs/examples")
+        from hf_trainer import make_trainer
+        make_trainer({str(tmp_path)!r})
+        after = [dict(vars(c)) for c in classes]
+        changed = [c.__name__ for c, b, a in zip(classes, before, after) if b != a]
+        assert not changed, f"patched: {{changed}}"
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.fixture
+def tiny():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256))
+
+
+def make_args(tmp_path, **kw):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], disable_tqdm=True, **kw)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"max_steps": 10}, "unset max_steps"),
+    ({"warmup_steps": 5}, "schedules by samples seen"),
+])
+def test_hf_trainer_refuses_step_counted_settings(tiny, tmp_path, setting, message):
+    from odb_torch.demo.synthetic import TokenDataset
+    from odb_torch.integrations.hf import ODBTrainer
+
+    with pytest.raises(ValueError, match=message):
+        ODBTrainer(model=tiny, args=make_args(tmp_path, **setting), train_dataset=TokenDataset(8), token_budget=64)
+
+
+def test_hf_trainer_loss_token_mismatch_is_named(tiny, tmp_path):
+    """A loader counting other tokens than the loss sums over: LossTokenMismatchError, not silently wrong weights."""
+    from odb_core.errors import LossTokenMismatchError
+    from odb_torch.demo.synthetic import TokenDataset
+    from odb_torch.integrations.hf import ODBTrainer
+
+    from torch_support import every_token_counts
+
+    trainer = ODBTrainer(model=tiny, args=make_args(tmp_path, num_train_epochs=1, save_strategy="no"),
+                         train_dataset=TokenDataset(16), token_budget=128,
+                         odb_kwargs={"loss_tokens_fn": every_token_counts, "num_workers": 0, "buffer_size": 8, "timeout": 60})
+    with pytest.raises(LossTokenMismatchError, match="dataset indices"):
+        trainer.train()
+
+
+def test_hf_trainer_missing_checkpoint_state_is_named(tiny, tmp_path):
+    from odb_core.errors import CheckpointStateError
+    from odb_torch.demo.synthetic import TokenDataset
+    from odb_torch.integrations.hf import ODBTrainer
+
+    trainer = ODBTrainer(model=tiny, args=make_args(tmp_path, num_train_epochs=1, save_strategy="no"),
+                         train_dataset=TokenDataset(16), token_budget=128,
+                         odb_kwargs={"num_workers": 0, "buffer_size": 8, "timeout": 60})
+    from transformers import TrainerState
+
+    tiny.save_pretrained(tmp_path / "checkpoint-3")  # a checkpoint with weights but without ODB's state
+    TrainerState(global_step=3).save_to_json(str(tmp_path / "checkpoint-3" / "trainer_state.json"))
+    with pytest.raises(CheckpointStateError, match="odb_state_rank0.json is missing"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
