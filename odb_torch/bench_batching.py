@@ -10,7 +10,9 @@ formation time is that of :func:`odb_core.grouping.group_buffer` (what the proto
 runs each round) over every buffer, the same work the paper authors' package's
 ``grouping_data`` does per buffer (both
 measured on the same buffers when that package is installed: ``pip install -e .[bench]``;
-its rows are single-rank, as its alignment needs a live process group).
+its rows are single-rank, as its alignment needs a live process group). With the bench
+extra, lhotse's ``DynamicBucketingSampler`` (30 buckets, ``max_duration`` = the budget in
+tokens) adds a single-rank row.
 ODB's side imports no torch unless the chat data is used.
 """
 
@@ -95,6 +97,33 @@ def reference_groups(lengths: Sequence[int], budget: int, buffer_size: int) -> t
     return _timed(run)
 
 
+def lhotse_groups(lengths: Sequence[int], budget: int, seed: int = 0) -> tuple[list[list[int]], float] | None:
+    """lhotse's DynamicBucketingSampler over the same lengths (one rank), and its time; None if absent.
+
+    Each sample is a cut whose duration is its token count and ``max_duration`` is the
+    budget: lhotse bounds the *sum* of a batch's lengths, not its padded area, so its
+    batches can exceed the budget once padded (counted in ``over_budget_batches``).
+    """
+    try:
+        import warnings
+
+        from lhotse import CutSet, MonoCut
+        from lhotse.dataset import DynamicBucketingSampler
+    except ImportError:
+        return None
+    cuts = CutSet.from_cuts(MonoCut(id=str(i), start=0.0, duration=float(max(n, 1)), channel=0)
+                            for i, n in enumerate(lengths))
+
+    def run() -> list[list[int]]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sampler = DynamicBucketingSampler(cuts, max_duration=float(budget), shuffle=True, seed=seed,
+                                              num_buckets=30, world_size=1, rank=0)
+            return [[int(c.id) for c in batch] for batch in sampler]
+
+    return _timed(run, repeats=1)
+
+
 def chat_lengths(max_length: int = 16384) -> list[int] | None:
     """Every chit-chat conversation's templated Qwen length (None without the demo extra)."""
     try:
@@ -150,6 +179,10 @@ def rows_for(name: str, lengths: list[int], budget: int, worlds: Sequence[int], 
         rows.append({**rows[-1], "batcher": "odb (1 rank, same buffers)", "formation_seconds_per_1e5": odb_seconds * per,
                      **shape([[k + off for k in g] for off, gs in _buffers(lengths, budget, buffer_size) for g in gs],
                              lengths, budget, 1), "alignment_overhead": None})
+    lhotse = lhotse_groups(lengths, budget, seed)
+    if lhotse is not None:
+        groups, seconds = lhotse
+        row("lhotse DynamicBucketingSampler (1 rank)", 1, shape(groups, lengths, budget, 1), None, seconds)
     return rows
 
 
