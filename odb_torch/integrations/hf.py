@@ -219,6 +219,8 @@ class ODBTrainer(Trainer):
                 kw["prefetch_factor"] = None
             loader = ODBDataLoader(cast(Any, self.train_dataset), token_budget=self.odb_token_budget, **kw)
             self.odb_windows = AccumulationWindows(loader, self.args.gradient_accumulation_steps)
+            # the sampler's real epoch size (a custom sampler may differ from the estimate at init)
+            self.odb_total_samples = math.ceil(self.args.num_train_epochs * self.odb_windows.samples_per_epoch())
         if self._odb_resume is not None:
             load_windows_state(self.odb_windows, self._odb_resume)
             self._odb_resume = None
