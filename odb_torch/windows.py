@@ -133,7 +133,7 @@ class AccumulationWindows:
             for item in items:
                 if not item.is_padding:
                     self._read_ahead -= 1
-                    self._count(item.info.global_samples, item.info.global_tokens, +1)
+                    self._count(item.info.global_samples, item.info.global_tokens)
                 self._mid_window = not item.last_in_window
                 if item.last_in_window:
                     self.updates += 1
@@ -142,12 +142,13 @@ class AccumulationWindows:
                         self._close_epoch()
                 yield item
 
-    def _count(self, samples: int, tokens: int, sign: int) -> None:
-        self.samples_seen += sign * samples
-        self.samples_in_epoch += sign * samples
-        self.tokens_seen += sign * tokens
+    def _count(self, samples: int, tokens: int) -> None:
+        """Count a real micro-batch as handed out (for the run and for the current window)."""
+        self.samples_seen += samples
+        self.samples_in_epoch += samples
+        self.tokens_seen += tokens
         w = self._window
-        w[0], w[1], w[2] = w[0] + sign, w[1] + sign * samples, w[2] + sign * tokens
+        w[0], w[1], w[2] = w[0] + 1, w[1] + samples, w[2] + tokens
 
     def _close_epoch(self) -> None:
         self.epoch += 1

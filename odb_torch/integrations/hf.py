@@ -87,7 +87,7 @@ class _ODBControl(TrainerCallback):
         w = self.trainer.odb_windows
         if w is None:
             return control
-        folder = os.path.join(self.trainer._get_output_dir(trial=None), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         save_windows_state(w, folder)
         return control
 
