@@ -18,7 +18,9 @@ import pytest
 pytest.importorskip("transformers", reason="the hf extra is not installed")
 
 from odb_torch.demo.synthetic import TokenDataset  # noqa: E402
-from torch_support import check_windows, run_torchrun, trained  # noqa: E402
+from torch_support import (  # noqa: E402
+    check_linear_lr_by_samples, check_resume_exactly_once, check_windows, run_torchrun, trained,
+)
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -36,13 +38,7 @@ def run(tmp: Path, tag: str, world: int, epochs: int, accum: int, save_steps: in
 
 def check_lr_follows_samples(ranks: list[dict[str, Any]]) -> None:
     total = ranks[0]["total_samples"]
-    warmup = math.ceil(total * WARMUP)
-    for point in ranks[0]["lrs"]:
-        seen = point["samples_seen"]
-        factor = seen / warmup if seen < warmup else max(0.0, (total - seen) / (total - warmup))
-        assert math.isclose(point["lr"], LR * factor, rel_tol=1e-9, abs_tol=1e-15), (
-            f"LR after update {point['update']} is {point['lr']}, the linear schedule at {seen} samples "
-            f"is {LR * factor}")
+    check_linear_lr_by_samples(ranks[0]["lrs"], LR, total, math.ceil(total * WARMUP))
 
 
 def test_hf_trainer_w1_epochs_weights_schedule_throughput(tmp_path):
@@ -73,11 +69,7 @@ def test_hf_trainer_w2_resume_mid_epoch_loses_nothing_repeats_nothing(tmp_path):
     assert min(rec["update"] for r in second for rec in r["records"]) == 4
     before = trained([r["records"] for r in first], keep=lambda rec: rec["update"] < 4)
     after = trained([r["records"] for r in second])
-    for epoch in (0, 1):
-        ids = before.get(epoch, []) + after.get(epoch, [])
-        twice = sorted({i for i in ids if ids.count(i) > 1})
-        missing = sorted(set(range(N)) - set(ids))
-        assert not twice and not missing, f"P4 across the resume, epoch {epoch}: twice {twice}, lost {missing}"
+    check_resume_exactly_once(before, after, N)
     check_windows([r["records"] for r in first], accum=2)
     check_windows([r["records"] for r in second], accum=2)
     check_lr_follows_samples(second)

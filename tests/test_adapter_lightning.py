@@ -9,14 +9,15 @@ and the LR following samples seen.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("lightning", reason="the lightning extra is not installed")
 
-from torch_support import check_windows, run_torchrun, trained  # noqa: E402
+from torch_support import (  # noqa: E402
+    check_linear_lr_by_samples, check_resume_exactly_once, check_windows, run_torchrun, trained,
+)
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -34,17 +35,8 @@ def test_lightning_resume_mid_epoch_exactly_once(world, tmp_path):
     assert second[0]["ckpt"].endswith("step=4.ckpt")
     before = trained([r["records"] for r in first], keep=lambda rec: rec["update"] < 4)
     after = trained([r["records"] for r in second])
-    for epoch in (0, 1):
-        ids = before.get(epoch, []) + after.get(epoch, [])
-        twice = sorted({i for i in ids if ids.count(i) > 1})
-        missing = sorted(set(range(N)) - set(ids))
-        assert not twice and not missing, f"P4 across the resume, epoch {epoch}: twice {twice}, lost {missing}"
+    check_resume_exactly_once(before, after, N)
     check_windows([r["records"] for r in first])
     check_windows([r["records"] for r in second])
     total = 2 * second[0]["samples_per_epoch"]
-    warmup = round(0.1 * total)
-    for point in second[0]["lrs"]:
-        seen = point["samples_seen"]
-        factor = seen / warmup if seen < warmup else max(0.0, (total - seen) / (total - warmup))
-        assert math.isclose(point["lr"], 1e-3 * factor, rel_tol=1e-9, abs_tol=1e-15), (
-            f"LR {point['lr']} after update {point['update']} is not the schedule's {1e-3 * factor} at {seen} samples")
+    check_linear_lr_by_samples(second[0]["lrs"], 1e-3, total, round(0.1 * total))

@@ -285,3 +285,26 @@ def check_windows(ranks: list[list[dict[str, Any]]], accum: int | None = None) -
 def every_token_counts(sample: dict[str, Any]) -> int:
     """Every position as a loss token (a wrong count for a causal loss over masked labels, on purpose)."""
     return len(sample["input_ids"])
+
+
+def check_resume_exactly_once(before: dict[int, list[int]], after: dict[int, list[int]], n: int,
+                              epochs: tuple[int, ...] = (0, 1)) -> None:
+    """P4 across a crash and a resume: per epoch, the indices trained before the checkpoint plus
+    those trained after the resume are each of ``range(n)`` exactly once."""
+    for epoch in epochs:
+        ids = before.get(epoch, []) + after.get(epoch, [])
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        missing = sorted(set(range(n)) - set(ids))
+        assert not twice and not missing, f"P4 across the resume, epoch {epoch}: twice {twice}, lost {missing}"
+
+
+def check_linear_lr_by_samples(points: list[dict[str, Any]], lr: float, total: int, warmup: int) -> None:
+    """The LR after every update is a linear warmup-then-decay schedule evaluated at the samples seen."""
+    import math
+
+    for point in points:
+        seen = point["samples_seen"]
+        factor = seen / warmup if seen < warmup else max(0.0, (total - seen) / (total - warmup))
+        assert math.isclose(point["lr"], lr * factor, rel_tol=1e-9, abs_tol=1e-15), (
+            f"LR after update {point['update']} is {point['lr']}, the linear schedule at {seen} samples "
+            f"is {lr * factor}")
