@@ -10,7 +10,8 @@ formation time is that of :func:`odb_core.grouping.group_buffer` (what the proto
 runs each round) over every buffer, the same work the paper authors' package's
 ``grouping_data`` does per buffer (both
 measured on the same buffers when that package is installed: ``pip install -e .[bench]``;
-its rows are single-rank, as its alignment needs a live process group). With the bench
+its grouping is timed single-rank; its alignment runs live on Gloo ranks at the
+``reference_worlds`` sizes, :mod:`odb_torch.reference_alignment`). With the bench
 extra, lhotse's ``DynamicBucketingSampler`` (30 buckets, ``max_duration`` = the budget in
 tokens) adds a single-rank row.
 ODB's side imports no torch unless the chat data is used.
@@ -26,8 +27,10 @@ from odb_core import ODBConfig, audit, simulate
 from odb_core.distributions import sample_lengths
 from odb_core.grouping import form_groups, group_buffer
 from odb_torch import baselines
+from odb_torch.reference_alignment import reference_alignment
 
 FITTED = ("ultrachat", "llava", "sharegpt4o")
+REFERENCE = "reference (online-dynamic-batching 0.1.2)"
 
 
 def shape(batches: Sequence[Sequence[int]], lengths: Sequence[int], budget: int, world: int) -> dict[str, Any]:
@@ -135,8 +138,9 @@ def chat_lengths(max_length: int = 16384) -> list[int] | None:
 
 
 def rows_for(name: str, lengths: list[int], budget: int, worlds: Sequence[int], buffer_size: int,
-             seed: int = 0) -> list[dict[str, Any]]:
-    """Every batcher's row for one distribution and budget."""
+             seed: int = 0, reference_worlds: Sequence[int] = ()) -> list[dict[str, Any]]:
+    """Every batcher's row for one distribution and budget; ``reference_worlds``: world
+    sizes at which the reference package runs live on Gloo ranks (when installed)."""
     n = len(lengths)
     per = 1e5 / n
     bs = baselines.survival_batch_size(lengths, budget)
@@ -175,7 +179,14 @@ def rows_for(name: str, lengths: list[int], budget: int, worlds: Sequence[int], 
     ref = reference_groups(lengths, budget, buffer_size)
     if ref is not None:
         groups, seconds = ref
-        row("reference (online-dynamic-batching 0.1.2, 1 rank)", 1, shape(groups, lengths, budget, 1), None, seconds)
+        for world in reference_worlds:
+            live = reference_alignment(lengths, budget, world, buffer_size, seed)
+            assert live is not None
+            figures = {k: live[k] for k in ("padding_fraction", "samples_per_update", "max_padded_tokens",
+                                             "over_budget_batches")}
+            row(REFERENCE, world, {**figures, "updates": live["steps"], "unemitted": live["unemitted"]},
+                live["alignment_overhead"], seconds)
+        row(f"{REFERENCE[:-1]}, 1 rank)", 1, shape(groups, lengths, budget, 1), None, seconds)
         rows.append({**rows[-1], "batcher": "odb (1 rank, same buffers)", "formation_seconds_per_1e5": odb_seconds * per,
                      **shape([[k + off for k in g] for off, gs in _buffers(lengths, budget, buffer_size) for g in gs],
                              lengths, budget, 1), "alignment_overhead": None})
@@ -191,7 +202,8 @@ def _buffers(lengths: Sequence[int], budget: int, buffer_size: int) -> list[tupl
 
 
 def run(samples: int = 100_000, budgets: Sequence[int] = (8192, 16384), worlds: Sequence[int] = (2, 4, 8),
-        buffer_size: int = 1024, distributions: Sequence[str] = (*FITTED, "chat"), seed: int = 0) -> list[dict[str, Any]]:
+        buffer_size: int = 1024, distributions: Sequence[str] = (*FITTED, "chat"), seed: int = 0,
+        reference_worlds: Sequence[int] = (8,)) -> list[dict[str, Any]]:
     """Every row of the benchmark."""
     rows: list[dict[str, Any]] = []
     for name in distributions:
@@ -202,7 +214,7 @@ def run(samples: int = 100_000, budgets: Sequence[int] = (8192, 16384), worlds: 
         else:
             lengths = sample_lengths(name, samples, seed)
         for budget in budgets:
-            rows += rows_for(name, lengths, budget, worlds, buffer_size, seed)
+            rows += rows_for(name, lengths, budget, worlds, buffer_size, seed, reference_worlds)
     return rows
 
 

@@ -168,6 +168,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     b.add_argument("--budgets", type=_ints, default=[8192, 16384], help="comma-separated token budgets")
     b.add_argument("--worlds", type=_ints, default=[2, 4, 8], help="comma-separated world sizes")
     b.add_argument("--buffer-size", type=int, default=1024)
+    b.add_argument("--reference-worlds", type=_ints, default=[8],
+                   help="world sizes at which the reference package (bench extra) runs live on Gloo ranks "
+                        "to measure its alignment overhead; empty to skip (default 8)")
     b.add_argument("--distributions", default="ultrachat,llava,sharegpt4o,chat",
                    help="comma-separated: ultrachat, llava, sharegpt4o, chat (the real chit-chat data)")
     b.add_argument("--seed", type=int, default=0)
@@ -179,7 +182,8 @@ def _bench_batching(args: argparse.Namespace) -> int:
     from odb_torch.bench_batching import markdown, run
 
     rows = run(samples=args.samples, budgets=args.budgets, worlds=args.worlds, buffer_size=args.buffer_size,
-               distributions=[d for d in args.distributions.split(",") if d], seed=args.seed)
+               distributions=[d for d in args.distributions.split(",") if d], seed=args.seed,
+               reference_worlds=args.reference_worlds)
     print(json.dumps({"rows": rows}) if args.json else markdown(rows))
     return 0
 

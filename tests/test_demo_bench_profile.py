@@ -39,7 +39,7 @@ def test_demo_quick_json_table_and_plots(tmp_path):
 
 def test_bench_batching_json_rows():
     rows = json.loads(run("bench", "batching", "--samples", "3000", "--budgets", "8192", "--worlds", "2,8",
-                          "--distributions", "sharegpt4o", "--json"))["rows"]
+                          "--distributions", "sharegpt4o", "--reference-worlds", "2", "--json"))["rows"]
     keys = {"batcher", "distribution", "token_budget", "world", "padding_fraction", "samples_per_update",
             "updates", "over_budget_batches", "alignment_overhead", "formation_seconds_per_1e5"}
     assert all(keys <= set(r) for r in rows)
@@ -50,6 +50,20 @@ def test_bench_batching_json_rows():
             assert r["over_budget_batches"] == 0, f"{r['batcher']}: a multi-sample batch over the budget"
     odb8 = next(r for r in rows if r["batcher"] == "odb" and r["world"] == 8)
     assert 0 <= odb8["alignment_overhead"] < 0.2 and odb8["padding_fraction"] < 0.05
+
+
+def test_reference_package_alignment_runs_live_on_gloo_ranks_and_emits_every_view():
+    pytest.importorskip("odb.grouping", reason="online-dynamic-batching comes with the dev and bench extras")
+    from odb_core.distributions import sample_lengths
+    from odb_torch.reference_alignment import reference_alignment
+
+    lengths = sample_lengths("sharegpt4o", 3000, 0)
+    live = reference_alignment(lengths, 8192, world=2, buffer_size=256, timeout=300)
+    assert live is not None
+    assert live["unemitted"] == 0, "the reference package left views unemitted on this input"
+    assert max(live["steps_per_rank"]) == live["steps"] >= 1 and live["alone"] >= 1
+    assert live["over_budget_batches"] == 0, "the reference package formed a group over the budget"
+    assert round(live["samples_per_update"] * live["steps"]) == len(lengths), "the harness miscounted samples"
 
 
 def test_lhotse_rows_cover_every_sample_within_its_duration_budget():
