@@ -59,12 +59,16 @@ def group_sorted(order: list[int], lengths: Sequence[int] | Mapping[int, int], t
     such as the protocol's buffer); the result holds the same keys, unchecked.
     """
     groups: list[list[int]] = []
+    append = groups.append
     end = len(order)
     threshold = 1
-    while end > 0:
-        start = max(end - threshold, 0)
-        groups.append(order[start:end])
-        threshold = batch_size_for(lengths[order[start]], token_budget)
+    while end > 0:  # batch_size_for inlined: this loop is the protocol's per-round cost
+        start = end - threshold if end > threshold else 0
+        append(order[start:end])
+        length = lengths[order[start]]
+        threshold = token_budget // length if length > 1 else token_budget
+        if threshold < 1:
+            threshold = 1
         end = start
     groups.reverse()
     return groups
