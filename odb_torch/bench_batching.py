@@ -27,7 +27,7 @@ from odb_core import ODBConfig, audit, simulate
 from odb_core.distributions import sample_lengths
 from odb_core.grouping import form_groups, group_buffer
 from odb_torch import baselines
-from odb_torch.reference_alignment import reference_alignment
+from odb_torch.reference_alignment import reference_alignment, reference_sample
 
 FITTED = ("ultrachat", "llava", "sharegpt4o")
 REFERENCE = "reference (online-dynamic-batching 0.1.2)"
@@ -76,17 +76,7 @@ def reference_groups(lengths: Sequence[int], budget: int, buffer_size: int) -> t
     except ImportError:
         return None
 
-    class _Ids(tuple):  # type: ignore[type-arg]  # a tuple of the right len() without the ids
-        n = 0
-
-        def __len__(self) -> int:
-            return self.n
-
-    samples = []
-    for i, n in enumerate(lengths):
-        ids = _Ids()
-        ids.n = n
-        samples.append({"input_ids": ids, "idx": i})
+    samples = [reference_sample(i, n) for i, n in enumerate(lengths)]
 
     def run() -> list[list[int]]:
         groups: list[list[int]] = []

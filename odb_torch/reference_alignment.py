@@ -37,7 +37,9 @@ class _Ids(tuple):  # type: ignore[type-arg]  # a tuple whose len() is the sampl
         return self.n
 
 
-def _sample(index: int, length: int) -> dict[str, Any]:
+def reference_sample(index: int, length: int) -> dict[str, Any]:
+    """A sample dict as the reference package reads it: ``input_ids`` of ``length``
+    (its len() only; no ids are stored) and the dataset index."""
     ids = _Ids()
     ids.n = length
     return {"input_ids": ids, "idx": index}
@@ -85,7 +87,7 @@ def _rank(rank: int, world: int, port: int, views: list[list[int]], lengths: lis
     all_finished = False
     for k, v in enumerate(mine):
         idx_buffer.append(k)
-        data_buffer.append([_sample(v, lengths[v])])
+        data_buffer.append([reference_sample(v, lengths[v])])
         if len(idx_buffer) >= buffer_size:
             all_finished = once(False)
     if idx_buffer and not all_finished:
