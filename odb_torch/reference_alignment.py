@@ -11,7 +11,7 @@ first buffers (``no_warmup=False`` in the package) is left out, so both sides ar
 measured at the full buffer.
 
 Each rank counts its emitted groups (its optimizer steps) and how many groups it would
-have formed alone (its emitted samples in arrival order, cut into ``buffer_size``
+have formed alone (its emitted views in sampler order, cut into ``buffer_size``
 chunks, grouped by the same B(l) rule): overhead = max steps over ranks / mean alone
 groups - 1, the same definition as :func:`odb_core.audit` (under join mode the rank
 with the most steps sets the number of updates). Samples the package never emitted
@@ -37,12 +37,12 @@ class _Ids(tuple):  # type: ignore[type-arg]  # a tuple whose len() is the sampl
         return self.n
 
 
-def reference_sample(index: int, length: int) -> dict[str, Any]:
+def reference_sample(index: int, length: int, position: int = 0) -> dict[str, Any]:
     """A sample dict as the reference package reads it: ``input_ids`` of ``length``
-    (its len() only; no ids are stored) and the dataset index."""
+    (its len() only; no ids are stored), the dataset index and the view position."""
     ids = _Ids()
     ids.n = length
-    return {"input_ids": ids, "idx": index}
+    return {"input_ids": ids, "idx": index, "pos": position}
 
 
 def _rank(rank: int, world: int, port: int, views: list[list[int]], lengths: list[int], budget: int,
@@ -60,7 +60,7 @@ def _rank(rank: int, world: int, port: int, views: list[list[int]], lengths: lis
     mine = views[rank]
     idx_buffer: list[int] = []
     data_buffer: list[list[dict[str, Any]]] = []
-    emitted: list[int] = []
+    emitted: list[int] = []  # view positions, in emission order
     steps = real = padded = biggest = over = 0
 
     def once(finished: bool) -> bool:
@@ -75,7 +75,7 @@ def _rank(rank: int, world: int, port: int, views: list[list[int]], lengths: lis
             return bool(all_finished)
         for g in grouped:
             steps += 1
-            emitted.extend(s["idx"] for s in g)
+            emitted.extend(s["pos"] for s in g)
             sizes = [lengths[s["idx"]] for s in g]
             real += sum(sizes)
             padded += max(sizes) * len(sizes)
@@ -87,15 +87,15 @@ def _rank(rank: int, world: int, port: int, views: list[list[int]], lengths: lis
     all_finished = False
     for k, v in enumerate(mine):
         idx_buffer.append(k)
-        data_buffer.append([reference_sample(v, lengths[v])])
+        data_buffer.append([reference_sample(v, lengths[v], k)])
         if len(idx_buffer) >= buffer_size:
             all_finished = once(False)
     if idx_buffer and not all_finished:
         all_finished = once(False)
     while not all_finished:
         all_finished = once(True)
-    alone = sum(len(form_groups([lengths[i] for i in emitted[k:k + buffer_size]], budget))
-                for k in range(0, len(emitted), buffer_size))
+    in_order = [lengths[mine[p]] for p in sorted(emitted)]  # as odb_core.audit.alone_groups
+    alone = sum(len(form_groups(in_order[k:k + buffer_size], budget)) for k in range(0, len(in_order), buffer_size))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"steps": steps, "alone": alone, "emitted": emitted, "real": real, "padded": padded,
                    "biggest": biggest, "over": over}, f)
@@ -109,8 +109,9 @@ def reference_alignment(lengths: Sequence[int], budget: int, world: int, buffer_
 
     Returns ``steps`` (max over ranks), ``alone`` (mean), ``alignment_overhead``, the
     emitted groups' ``padding_fraction``, ``samples_per_update``, ``max_padded_tokens``
-    and ``over_budget_batches``, and ``unemitted``: views the package never emitted. None when the package is not installed. Raises ``TimeoutError``
-    (after killing the ranks) if they run past ``timeout`` seconds.
+    and ``over_budget_batches``, and ``unemitted``: views the package never emitted.
+    None when the package is not installed. Raises ``TimeoutError`` (after killing the
+    ranks) if they run past ``timeout`` seconds.
     """
     try:
         import odb.grouping  # noqa: F401
