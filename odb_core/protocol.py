@@ -19,6 +19,7 @@ holds nothing (P4). The machine never blocks, sleeps or talks to anything.
 from __future__ import annotations
 
 import enum
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -252,6 +253,10 @@ class RankProtocol:
             if recirculated and self.config.mutant == "merge-overflow":
                 emitted[-1] = emitted[-1] + [p for g in recirculated for p in g]
             self._dropped = [p for g in recirculated for p in g] if self.config.mutant == "drop-overflow" else []
+            if self.config.shuffle_steps and len(emitted) > 1:
+                # this rank's own order (spec: Orders); fixed before the step vectors are gathered
+                emitted = list(emitted)  # may be the candidates list itself
+                random.Random(f"odb-steps:{self.config.seed}:{self.iteration}:{self.round}:{self.rank}").shuffle(emitted)
             self._pending = emitted
         else:
             self._pending = [[] for _ in range(target)]

@@ -19,6 +19,7 @@ ODB's side imports no torch unless the chat data is used.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +32,7 @@ from odb_torch.reference_alignment import reference_alignment, reference_sample
 
 FITTED = ("ultrachat", "llava", "sharegpt4o")
 REFERENCE = "reference (online-dynamic-batching 0.1.2)"
+FORMATION_REPEATS = 7  # best of 7 for the formation race (ODB against the reference package)
 
 
 def shape(batches: Sequence[Sequence[int]], lengths: Sequence[int], budget: int, world: int) -> dict[str, Any]:
@@ -52,12 +54,23 @@ def shape(batches: Sequence[Sequence[int]], lengths: Sequence[int], budget: int,
 
 
 def _timed(fn: Callable[[], Any], repeats: int = 3) -> tuple[Any, float]:
-    """``fn()``'s result and its best time over ``repeats`` calls."""
+    """``fn()``'s result and its best time over ``repeats`` calls, with the garbage
+    collector paused while timing (as :mod:`timeit` does, for every batcher alike: a
+    collection's cost depends on everything else the process holds, not on the batcher)."""
     best = float("inf")
+    out: Any = None
     for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t)
+        out = None
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            t = time.perf_counter()
+            out = fn()
+            best = min(best, time.perf_counter() - t)
+        finally:
+            if was_enabled:
+                gc.enable()
     return out, best
 
 
@@ -65,7 +78,7 @@ def odb_formation(lengths: Sequence[int], budget: int, buffer_size: int) -> floa
     """Seconds to group every buffer of ``lengths`` as the protocol does each round
     (:func:`odb_core.grouping.group_buffer`; lengths were validated on arrival)."""
     buffers = [dict(enumerate(lengths[k:k + buffer_size])) for k in range(0, len(lengths), buffer_size)]
-    _, seconds = _timed(lambda: [group_buffer(b, budget) for b in buffers])
+    _, seconds = _timed(lambda: [group_buffer(b, budget) for b in buffers], repeats=FORMATION_REPEATS)
     return seconds
 
 
@@ -87,7 +100,7 @@ def reference_groups(lengths: Sequence[int], budget: int, buffer_size: int) -> t
             groups.extend([[s["idx"] for s in g] for g in out[0]])
         return groups
 
-    return _timed(run)
+    return _timed(run, repeats=FORMATION_REPEATS)
 
 
 def lhotse_groups(lengths: Sequence[int], budget: int, seed: int = 0) -> tuple[list[list[int]], float] | None:

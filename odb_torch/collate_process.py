@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import queue
-import random
 import traceback
 from urllib.parse import urlparse
 from collections.abc import Callable
@@ -58,7 +57,6 @@ class CollateSpec:
     num_workers: int
     prefetch_factor: int | None
     worker_start_method: str | None
-    shuffle_steps: bool = True
 
 
 class _ParentGone(Exception):
@@ -229,11 +227,6 @@ def _run_iteration(
         if plan.step_vector is None:
             continue
         steps = proto.on_steps(_all_gather(pg, plan.step_vector, spec.world, "step", spec.rank))
-        if spec.shuffle_steps and len(steps) > 1:
-            # the same permutation on every rank (it depends only on seed, iteration, round and
-            # the step count, which lockstep makes equal), so step k still pairs the same groups
-            # and keeps its loss weights (P2, P7); only the order the trainer sees changes
-            random.Random(f"{spec.config.seed}:{iteration}:{steps[0].round}:{len(steps)}").shuffle(steps)
         for s in steps:
             if s.is_idle:
                 if template is None:

@@ -38,7 +38,7 @@ class ODBDataLoader:
         dataset: a map-style dataset (picklable: it is sent to the collate process).
         token_budget: L_max, padded tokens per batch.
         config: the core's :class:`~odb_core.ODBConfig` instead of the protocol keywords
-            (token_budget, buffer_size, depth, mode, loss_scaling, target_policy, seed);
+            (token_budget, buffer_size, depth, mode, loss_scaling, target_policy, seed, shuffle_steps);
             when given, those keywords are ignored.
         collate_fn: turns a list of samples into a batch (default ``default_collate``).
         mode: ``"join"`` (default): every sampler view is yielded once per epoch (P4);
@@ -50,11 +50,10 @@ class ODBDataLoader:
         length_fn: a sample's length (default ``len(sample["input_ids"])``).
         loss_tokens_fn: a sample's loss tokens (default: labels != -100 if it has
             labels, else its length).
-        shuffle_steps: emit each round's steps in a seeded order, the same on every rank
-            (default True). Groups form short-to-long inside a round; shuffling keeps a run of
-            short-sample steps from following a run of long ones, which slowed training in the
-            demo (final loss 6.12 vs 6.05 at 640 samples), and leaves pairing and loss weights as
-            they are.
+        shuffle_steps: each rank emits a round's steps in a seeded order of its own
+            (default True; ``ODBConfig.shuffle_steps``), fixed before the ranks exchange
+            step sizes, so pairing and loss weights hold (P2, P7) while a global step mixes
+            lengths across ranks and rounds do not run from short to long samples.
         init_method: rendezvous of the collate group (default ``tcp://MASTER_ADDR:
             MASTER_PORT+1``, or a free local port when alone; env ``ODB_COLLATE_PORT``).
         timeout: seconds before a silent collate process or peer is an error.
@@ -106,6 +105,7 @@ class ODBDataLoader:
             self.config = ODBConfig(
                 token_budget=token_budget, buffer_size=buffer_size, depth=depth, mode=mode,  # type: ignore[arg-type]
                 loss_scaling=loss_scaling, target_policy=target_policy, seed=seed,  # type: ignore[arg-type]
+                shuffle_steps=shuffle_steps,
             )
         seed = self.config.seed
         if rank is None:
@@ -127,7 +127,6 @@ class ODBDataLoader:
             loss_tokens_fn=loss_tokens_fn, config=self.config, rank=rank, world=world_size,
             init_method=init_method, timeout=timeout, num_workers=num_workers,
             prefetch_factor=prefetch_factor,
-            shuffle_steps=shuffle_steps,
             worker_start_method=worker_start_method or ("fork" if "fork" in tmp.get_all_start_methods() else "spawn"),
         )
         self.skip_idle = skip_idle

@@ -136,6 +136,32 @@ Align(r, gs, T) ==
     ELSE gs
 AlignOp(r, gs, T) == Align(r, gs, T)
 
+(* Emission order. Each rank emits its T aligned items in an order of its *)
+(* own: odb_core shuffles them with a seeded per-rank permutation          *)
+(* (ODBConfig.shuffle_steps), before the step vectors are gathered, so the *)
+(* k-th items of all ranks form step k. The spec admits every order        *)
+(* (AnyOrder); InOrder (the aligned order, shuffle_steps off) is one of    *)
+(* them. Only the non-join quota (which steps are consumed) depends on the *)
+(* order: in join mode it reaches nothing but lastOut, whose properties    *)
+(* (Lockstep, BudgetOK, WithinCapacity) hold for every order iff for one,  *)
+(* so join configurations substitute InOrder (Orders <- InOrder) to keep   *)
+(* the state space small. Every order is checked in quick_nonjoin_3_uneven *)
+(* (and _balanced), mutant_no_chain, sanity_nonjoin_empty_rank and the     *)
+(* conformance scenario nonjoin_2x4_shuffled (all invariants, safety);     *)
+(* quick_nonjoin_2x4 (_all_ready_cap1: T = 1) and deep_nonjoin_3x3 keep    *)
+(* InOrder for time.                                                       *)
+Perms(n) == {f \in [1..n -> 1..n] : Range(f) = 1..n}
+\* T <= the largest shard (T <= S_min+ or a rank's group count); constant-level, so TLC computes it once
+PermTable == [n \in 0..Max({NV[r] : r \in Ranks} \cup {0}) |-> Perms(n)]
+PermsOf(T) == IF T \in DOMAIN PermTable THEN PermTable[T] ELSE Perms(T)
+AnyOrder(al, T) == {[r \in Ranks |-> [i \in 1..T |-> al[r][f[r][i]]]] : f \in [Ranks -> PermsOf(T)]}
+InOrder(al, T) == {al}
+Orders(al, T) == AnyOrder(al, T)
+\* Trace validation: the recorded next lastOut, if it reorders each rank's aligned items
+\* (they are distinct non-empty groups, or all idle, so equal ranges and lengths suffice).
+IsOrderOf(o, al) == \A r \in Ranks : Len(o[r]) = Len(al[r]) /\ Range(o[r]) = Range(al[r])
+RecordedOrder(al, T) == IF IsOrderOf(lastOut', al) THEN {lastOut'} ELSE {}
+
 (* What stays in B after a rank emitted `em`: overflow recirculates.       *)
 Rest(r, ready, em) == SelectSeq(B[r], LAMBDA p : p \notin em)
 ChainOn == TRUE
@@ -186,9 +212,10 @@ EndIteration ==
 
 (* Values are bound with \E x \in {e} rather than LET so TLC computes them *)
 (* once per step, also when it checks fairness (LET is re-evaluated there). *)
-Emit(st, gs, T) ==
-    \E out \in {[r \in Ranks |-> IF st[r] = "ready" THEN AlignOp(r, gs[r], T)
-                                 ELSE [i \in 1..T |-> <<>>]]} :
+Emit(st, gs, T, O(_, _)) ==
+    \E al \in {[r \in Ranks |-> IF st[r] = "ready" THEN AlignOp(r, gs[r], T)
+                                ELSE [i \in 1..T |-> <<>>]]} :
+    \E out \in O(al, T) :
     \E em \in {[r \in Ranks |-> UNION {Range(g) : g \in Range(out[r])}]} :
     \* non-join: the trainer consumes steps, in order, until the quota is reached
     \E step \in {[i \in 1..T |-> SumSeq([r \in Ranks |-> IF i <= Len(out[r]) THEN Len(out[r][i]) ELSE 0])]} :
@@ -209,7 +236,8 @@ Emit(st, gs, T) ==
 (* One atomic round for all ranks: header gather, align, step gather, emit.*)
 (* P is the grouping: the B(l) rule by default; trace validation replays   *)
 (* recorded groupings, and any packing within the budget is admissible.    *)
-GatherWith(P(_)) ==
+(* O is the set of emission orders (Orders; RecordedOrder when replaying). *)
+GatherWith(P(_), O(_, _)) ==
     /\ ~done
     /\ \E st \in {[r \in Ranks |-> Status(r)]} :
        \E gs \in {[r \in Ranks |-> IF st[r] = "ready" THEN P(r) ELSE <<>>]} :
@@ -220,8 +248,8 @@ GatherWith(P(_)) ==
           ELSE IF T = 0
           THEN /\ lastOut' = [r \in Ranks |-> <<>>]
                /\ UNCHANGED <<next, Q, B, E, consumed, lastStep, rounds, done>>
-          ELSE Emit(st, gs, T)
-Gather == GatherWith(Packing)
+          ELSE Emit(st, gs, T, O)
+Gather == GatherWith(Packing, Orders)
 
 Terminating == done /\ UNCHANGED vars
 
