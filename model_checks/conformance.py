@@ -32,7 +32,7 @@ from odb_core.schedules import SCHEDULES, shard
 from odb_core.simulator import Cursor, gather_round, simulate
 
 Value = Any  # int | bool | str | tuple[Value, ...] | frozenset[Value]
-VARIABLES = ("next", "Q", "B", "E", "consumed", "lastStep", "lastOut", "rounds", "done")
+VARIABLES = ("next", "Q", "B", "E", "H", "consumed", "lastStep", "lastOut", "rounds", "done")
 
 
 # ---- scenarios and TLA+ text ----------------------------------------------------------
@@ -54,6 +54,8 @@ class Scenario:
     dataset_size: int | None = None
     """N, the non-join quota; defaults to the number of views (no sampler padding)."""
     shuffle: bool = True
+    regroup: tuple[int, int] = (1, 50)
+    """(RegroupNum, RegroupDen): the core's ``regroup_padding`` as a fraction; (0, 0) is off."""
     """The core's ``shuffle_steps``; the spec admits every order (``Orders``), and a
     scenario without it is compared against the spec's ``InOrder``."""
 
@@ -67,6 +69,7 @@ class Scenario:
             mode="join" if self.join else "non-join", output_capacity=self.capacity or None,
             overflow_policy=self.overflow, target_policy=self.policy, mutant=self.mutant,  # type: ignore[arg-type]
             seed=self.seed, shuffle_steps=self.shuffle,
+            regroup_padding=self.regroup[0] / self.regroup[1] if self.regroup[1] else None,
         )
 
     def constants(self) -> dict[str, Value]:
@@ -74,6 +77,7 @@ class Scenario:
             "W": len(self.lengths), "NV": tuple(map(len, self.lengths)), "Length": self.lengths,
             "Budget": self.budget, "BufSize": self.buffer_size, "Depth": self.depth, "Capacity": self.capacity,
             "JoinMode": self.join, "Quota": self.quota, "Overflow": self.overflow, "Policy": self.policy,
+            "RegroupNum": self.regroup[0], "RegroupDen": self.regroup[1],
         }
 
 
@@ -164,6 +168,7 @@ def abstract(protos: list[RankProtocol], cursor: Cursor) -> tuple[Value, ...]:
         tuple(frozenset(q + 1 for q in p.in_flight) for p in protos),
         tuple(tuple(b + 1 for b in p.buffered) for p in protos),
         tuple(frozenset(e + 1 for e in p.emitted) for p in protos),
+        tuple(frozenset(h + 1 for h in p.held) for p in protos),
         quota.emitted,
         quota.last_step,
         tuple(tuple(tuple(x + 1 for x in item) for item in out) for out in cursor.last_out),
@@ -250,7 +255,7 @@ def explore_spec(s: Scenario) -> tuple[TlcRun, set[tuple[Value, ...]], set[tuple
     cfg += "" if s.shuffle else "    Orders <- InOrder\n"
     cfg += "INIT Init\nNEXT Next\n"
     cfg += "INVARIANTS TypeOK NoLeak DepthBound Lockstep BudgetOK WithinCapacity JoinCoverage QuotaClosure RoundBound\n"
-    cfg += "    BRuleAdmissible\n"
+    cfg += "    BRuleAdmissible HeldOK\n"
     with tempfile.TemporaryDirectory(prefix="odb-conf-") as tmpname:
         tmp = Path(tmpname)
         _model_dir(tmp, {"Conf.tla": module, "Conf.cfg": cfg})
@@ -280,10 +285,14 @@ def parse_dot(dot: str) -> tuple[set[tuple[Value, ...]], set[tuple[tuple[Value, 
 STATE_SPACE_SCENARIOS = (  # in aligned order, so the core's state space equals the spec's
     Scenario("join_2x4", ((2, 3, 6, 9), (1, 1, 5, 12)), shuffle=False),
     Scenario("nonjoin_2x4", ((2, 3, 6, 9), (1, 1, 5, 12)), join=False, shuffle=False),
-    Scenario("join_3_uneven_cap1_oldest", ((1, 4, 8), (2, 2), (7,)), capacity=1, overflow="oldest", shuffle=False),
+    Scenario("join_3_uneven_cap1_oldest", ((1, 4, 8), (2, 2), (7,)), capacity=1, overflow="oldest", shuffle=False,
+             regroup=(0, 0)),
     Scenario("nonjoin_2x3_all_ready_cap1", ((0, 4, 11), (2, 2, 9)), join=False, capacity=1, policy="all-ready",
              shuffle=False),
     Scenario("join_3_uneven_balanced", ((1, 4, 8), (2, 2, 3), (7,)), policy="balanced", shuffle=False),
+    # buffers of 3 with padded pairs: groups are held back (H) and regrouped
+    Scenario("join_2x4_regroup", ((1, 3, 2, 4), (2, 2, 5, 1)), buffer_size=3, shuffle=False),
+    Scenario("nonjoin_2x4_regroup", ((1, 3, 2, 4), (2, 2, 5, 1)), buffer_size=3, join=False, shuffle=False),
 )
 SHUFFLED_SCENARIOS = (  # shuffled steps: one seeded order per round, inside the spec's every order
     Scenario("nonjoin_2x4_shuffled", ((2, 3, 6, 9), (1, 1, 5, 12)), join=False, seed=3),
@@ -350,10 +359,11 @@ def record(s: Scenario, dataset: list[int], schedule: str) -> Trace:
 def random_scenario(rng: random.Random, seed: int, mutant: str | None = None) -> tuple[Scenario, list[int], str]:
     """A small random configuration: the scenario (per-rank lengths of the shards the
     simulator will make), the dataset lengths, and the schedule."""
+    regroup = rng.choice([(0, 0), (1, 50), (1, 5)])
     world = rng.randint(1, 3)
-    n = rng.randint(0, 7)
+    n = rng.randint(5, 12) if regroup[1] else rng.randint(0, 7)
     budget = rng.choice([1, 4, 10, 16])
-    buffer_size = rng.randint(1, 3)
+    buffer_size = rng.randint(3, 4) if regroup[1] else rng.randint(1, 3)  # holds need a pair in a full buffer
     schedule = rng.choice(SCHEDULES)
     join = rng.random() < 0.5 if mutant is None else mutant not in ("no-chain",)
     if not join and schedule == "empty_rank":
@@ -364,7 +374,7 @@ def random_scenario(rng: random.Random, seed: int, mutant: str | None = None) ->
         name="trace", lengths=tuple(tuple(lengths[i] for i in views) for views in shards), budget=budget,
         buffer_size=buffer_size, depth=buffer_size + rng.randint(0, 2), capacity=rng.choice([0, 0, 1, 2]),
         join=join, overflow=rng.choice(["largest", "oldest"]), policy=rng.choice(["paper", "all-ready", "balanced"]),
-        mutant=mutant, seed=seed, dataset_size=n,
+        mutant=mutant, seed=seed, dataset_size=n, regroup=regroup,
     )
     return scenario, lengths, schedule
 

@@ -65,6 +65,7 @@ def cases(
         target_policy=draw(st.sampled_from(["paper", "all-ready", "balanced"])),
         overflow_policy=draw(st.sampled_from(["largest", "oldest"])),
         output_capacity=draw(st.integers(1, 16) if need_capacity else st.one_of(st.none(), st.integers(1, 16))),
+        regroup_padding=draw(st.sampled_from([None, 0.0, 0.02, 0.1])),
     )
     schedule = draw(st.sampled_from(SCHEDULES))
     if config.mode == "non-join" and schedule == "empty_rank" and world > 1:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from odb_core.grouping import form_groups
-from odb_core.simulator import SimResult
+from odb_core.simulator import SimResult, simulate
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,12 @@ class Audit:
 
 
 def alone_groups(result: SimResult) -> float:
-    """Mean groups per rank if each rank grouped its emitted views alone (no alignment):
-    its views in sampler order, cut into buffer_size chunks, each grouped by B(l)."""
-    buf, budget = result.config.buffer_size, result.config.token_budget
+    """Mean groups per rank if each rank ran ODB alone on its emitted views (no alignment):
+    its views in sampler order, cut into buffer_size chunks, each grouped by B(l); with
+    regroup on, the protocol itself on one rank (regroup carries groups across chunks)."""
+    config = result.config
+    buf, budget = config.buffer_size, config.token_budget
+    alone = config.model_copy(update={"mode": "join", "mutant": None})
     per_rank = [0] * result.world
     for r, steps in enumerate(result.steps):
         by_iter: dict[int, list[int]] = {}
@@ -62,6 +65,9 @@ def alone_groups(result: SimResult) -> float:
         for it, positions in by_iter.items():
             views = result.shards[it][r]
             lengths = [result.lengths[views[p]] for p in sorted(positions)]
+            if config.regroup_padding is not None:
+                per_rank[r] += len(simulate(lengths, 1, alone, "in_order", shuffle=False).steps[0])
+                continue
             for i in range(0, len(lengths), buf):
                 per_rank[r] += len(form_groups(lengths[i : i + buf], budget))
     return sum(per_rank) / result.world

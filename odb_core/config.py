@@ -7,6 +7,7 @@ gathered data with the same parameters.
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -44,6 +45,17 @@ class ODBConfig(BaseModel):
             (group holding the longest-waiting sample first; bounds waits by D rounds).
         output_capacity: output slots a rank can fill in one round (C_r); ``None``
             means unbounded.
+        regroup_padding: a rank that is not drained holds back each group of >= 2
+            samples, none of them held at its last round, whose padding fraction
+            (1 - real / padded tokens) exceeds this: the group stays in the buffer and
+            regroups with the next arrivals, where lengths are denser. A round holds
+            nothing if it would hold every group; held samples do not count toward
+            ``buffer_size`` or the depth until the next emitting round (at most D more
+            samples buffered), and a rank short of T groups emits held groups before
+            it splits any. Nothing is dropped (P1) and a drained rank never holds (P6).
+            ``None`` turns it off (the paper's behaviour). The default 0.02 brings the
+            padding at buffer 1024 and budget 8192 under 1% on the fitted distributions
+            with fewer steps (spec: ``RegroupNum / RegroupDen``, ``H``).
         shuffle_steps: each rank emits a round's T items in a seeded order of its own
             (seed, iteration, round, rank: deterministic, P8), chosen before the step
             vectors are gathered, so step k still pairs every rank's k-th item and its
@@ -68,6 +80,7 @@ class ODBConfig(BaseModel):
     target_policy: TargetPolicyName = "balanced"
     overflow_policy: OverflowPolicyName = "largest"
     output_capacity: int | None = Field(default=None, ge=1)
+    regroup_padding: float | None = Field(default=0.02, ge=0, lt=1)
     shuffle_steps: bool = True
     mutant: MutantName | None = None
 
@@ -79,6 +92,11 @@ class ODBConfig(BaseModel):
                 "a smaller outstanding depth can never fill the buffer"
             )
         return self
+
+    @property
+    def regroup_fraction(self) -> Fraction | None:
+        """``regroup_padding`` as an exact fraction (denominator <= 10**6), compared in integers."""
+        return None if self.regroup_padding is None else Fraction(self.regroup_padding).limit_denominator(10**6)
 
     @property
     def outstanding_depth(self) -> int:

@@ -14,7 +14,8 @@ grouped and emitted like any other sample, never dropped.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
+from fractions import Fraction
 
 from odb_core.errors import InvalidSampleError
 
@@ -81,6 +82,29 @@ def group_buffer(lengths: Mapping[int, int], token_budget: int) -> list[list[int
     what :class:`~odb_core.protocol.RankProtocol` runs every round.
     """
     return group_sorted(sorted(sorted(lengths), key=lengths.__getitem__), lengths, token_budget)
+
+
+def hold_sparse(groups: list[list[int]], lengths: Mapping[int, int], fraction: Fraction,
+                exempt: Set[int]) -> tuple[list[list[int]], list[list[int]]]:
+    """Split a buffer's groups into ``(kept, held)`` (``ODBConfig.regroup_padding``).
+
+    A group is held if it has >= 2 samples, none of them in ``exempt`` (held at the
+    last round), and its padding fraction exceeds ``fraction``, in integers:
+    (max_len x size - sum of lengths) x den > num x max_len x size. If every group
+    would be held, none is. Both lists keep the walk's order; groups must be short
+    to long inside (their last key is the longest), as :func:`group_sorted` returns them.
+    """
+    num, den = fraction.numerator, fraction.denominator
+    kept: list[list[int]] = []
+    held: list[list[int]] = []
+    for g in groups:
+        if len(g) >= 2 and exempt.isdisjoint(g):
+            area = lengths[g[-1]] * len(g)
+            if (area - sum(map(lengths.__getitem__, g))) * den > num * area:
+                held.append(g)
+                continue
+        kept.append(g)
+    return (kept, held) if kept else (held, [])
 
 
 def over_budget(lengths: Sequence[int], token_budget: int) -> int:

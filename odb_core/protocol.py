@@ -27,7 +27,7 @@ from fractions import Fraction
 from odb_core.alignment import MUTANT_TARGETS, TARGET_POLICIES, align
 from odb_core.config import ODBConfig
 from odb_core.errors import InvalidSampleError, PeerInconsistencyError, ProtocolStateError
-from odb_core.grouping import check_length, group_buffer
+from odb_core.grouping import check_length, group_buffer, hold_sparse
 from odb_core.loss import rank_weight
 from odb_core.wire import Header, Status, decode_headers, decode_steps, encode_steps
 
@@ -114,6 +114,9 @@ class RankProtocol:
         self.phase = Phase.OPEN
         self._groups: list[list[int]] = []
         self._candidates: list[list[int]] = []
+        self._grouping: list[list[int]] = []  # the full B(l) grouping of this round
+        self._holding: list[list[int]] = []  # groups held back this round (regroup_padding)
+        self._held: set[int] = set()  # H: positions held back at the last emitting round
         self._header: Header | None = None
         self._headers: list[Header] = []
         self._pending: list[list[int]] = []
@@ -150,14 +153,26 @@ class RankProtocol:
         return self._next
 
     def fetch_room(self) -> int:
-        """D - |Q| - |B|: how many views ``fetch()`` may still move (if R has them)."""
-        return self.config.outstanding_depth - len(self._inflight) - len(self._length)
+        """D - |Q| - |B \\ H|: how many views ``fetch()`` may still move (if R has them)."""
+        return self.config.outstanding_depth - len(self._inflight) - len(self._length) + len(self._held)
 
     @property
     def candidates(self) -> list[list[int]]:
         """The candidate groups (positions, short to long) formed by the last
         ``begin_round`` before alignment; empty if the rank was not ready."""
         return [list(g) for g in self._candidates]
+
+    @property
+    def grouping(self) -> list[list[int]]:
+        """The full B(l) grouping of the buffer by the last ``begin_round``: the
+        candidates plus the groups held back to regroup, in walk order; empty if not ready."""
+        return [list(g) for g in self._grouping]
+
+    @property
+    def held(self) -> set[int]:
+        """H: positions held back at the last emitting round to regroup; a subset of B that
+        counts toward neither ``buffer_size`` nor the depth, and is not held again next round."""
+        return set(self._held)
 
     @property
     def finished(self) -> bool:
@@ -208,11 +223,15 @@ class RankProtocol:
         if drained and (not nbuf or self.config.mutant == "early-finish"):
             status, self._groups = Status.FINISHED, []  # the early-finish mutant lies about B
             nbuf = 0
-        elif nbuf and (nbuf >= self.config.buffer_size or drained):
+        elif nbuf and (nbuf - len(self._held) >= self.config.buffer_size or drained):
             status = Status.READY
             self._groups = group_buffer(self._length, self.config.token_budget)
         else:
             status, self._groups = Status.WAITING, []
+        self._grouping, self._holding = self._groups, []
+        fraction = self.config.regroup_fraction
+        if status is Status.READY and not drained and fraction is not None:
+            self._groups, self._holding = hold_sparse(self._groups, self._length, fraction, self._held)
         self._candidates = self._groups  # replaced, never mutated, by the round; copied on read
         self._header = Header(
             iteration=self.iteration,
@@ -249,7 +268,14 @@ class RankProtocol:
             self._end_round()
             return Plan(target=0, done=False, step_vector=None)
         if self._header.status is Status.READY:
-            emitted, recirculated = align(self._groups, target, self.config.overflow_policy, self._arrival)
+            groups, holding = self._groups, self._holding
+            if len(groups) < target and holding:  # emit held groups before splitting any
+                back = holding[: target - len(groups)]
+                holding = holding[len(back):]
+                still = {id(g) for g in holding}
+                groups = [g for g in self._grouping if id(g) not in still]
+            self._held = {p for g in holding for p in g}  # they stay in B (spec: H)
+            emitted, recirculated = align(groups, target, self.config.overflow_policy, self._arrival)
             if recirculated and self.config.mutant == "merge-overflow":
                 emitted[-1] = emitted[-1] + [p for g in recirculated for p in g]
             self._dropped = [p for g in recirculated for p in g] if self.config.mutant == "drop-overflow" else []
@@ -319,6 +345,7 @@ class RankProtocol:
     def _end_round(self) -> None:
         self._pending = []
         self._groups = []
+        self._holding = []
         self._step_vector = None
         self.round += 1
         self.phase = Phase.OPEN

@@ -141,7 +141,7 @@ def simulate(
     def trace(label: str, protos: list[RankProtocol], grouped: list[RankProtocol] | None = None) -> None:
         """Report a state change; ``grouped``: the ranks whose candidate groups the gather used."""
         if tracer is not None:
-            tracer(label, protos, cursor, [p.candidates for p in grouped] if grouped else [])
+            tracer(label, protos, cursor, [p.grouping for p in grouped] if grouped else [])
 
     iteration = 0
     protos = start(iteration)

@@ -166,7 +166,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     b = bsub.add_parser("batching", help="batch shapes of ODB vs Standard, Sorted, GMT/BMT/HFG oracles and peers")
     b.add_argument("--samples", type=int, default=100_000, help="samples drawn per fitted distribution (default 100000)")
     b.add_argument("--budgets", type=_ints, default=[8192, 16384], help="comma-separated token budgets")
-    b.add_argument("--worlds", type=_ints, default=[2, 4, 8], help="comma-separated world sizes")
+    b.add_argument("--worlds", type=_ints, default=[1, 2, 4, 8], help="comma-separated world sizes")
     b.add_argument("--buffer-size", type=int, default=1024)
     b.add_argument("--reference-worlds", type=_ints, default=[8],
                    help="world sizes at which the reference package (bench extra) runs live on Gloo ranks "

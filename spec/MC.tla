@@ -16,6 +16,9 @@ Len_3u == <<<<1, 4, 8>>, <<2, 2>>, <<7>>>>
 \* Three ranks, the last with no data at all.
 NV_3e == <<3, 2, 0>>
 Len_3e == <<<<1, 4, 8>>, <<2, 2>>, <<>>>>
+\* Regroup: buffers of 3 form padded pairs that are held back (H) and regrouped.
+NV_2x4r == <<4, 4>>
+Len_2x4r == <<<<1, 3, 2, 4>>, <<2, 2, 5, 1>>>>
 \* Deep suite: three ranks, three views each.
 NV_3x3 == <<3, 3, 3>>
 Len_3x3 == <<<<2, 6, 9>>, <<1, 5, 12>>, <<4, 4, 0>>>>

@@ -23,23 +23,27 @@ CONSTANTS W,          \* number of ranks
           JoinMode,   \* TRUE: join; FALSE: non-join with quota chaining
           Quota,      \* non-join sample quota N
           Overflow,   \* "largest" (paper) or "oldest"
-          Policy      \* target policy: "paper" (Eq. 3), "all-ready" or "balanced"
+          Policy,     \* target policy: "paper" (Eq. 3), "all-ready" or "balanced"
+          RegroupNum, \* regroup: hold back groups with padding > RegroupNum / RegroupDen
+          RegroupDen  \* (0 = off; odb_core's regroup_padding)
 
 ASSUME W \in Nat \ {0} /\ Len(NV) = W /\ Budget \in Nat \ {0}
 ASSUME BufSize \in Nat \ {0} /\ Depth \in Nat /\ Capacity \in Nat /\ Quota \in Nat
+ASSUME RegroupNum \in Nat /\ RegroupDen \in Nat
 ASSUME JoinMode \in BOOLEAN /\ Overflow \in {"largest", "oldest"} /\ Policy \in {"paper", "all-ready", "balanced"}
 
 VARIABLES next,     \* R = next[r]..NV[r]
           Q,        \* in flight: set of positions
           B,        \* buffer, arrival order, overflow included
           E,        \* emitted positions (this logical iteration)
+          H,        \* held back at the rank's last emitting round to regroup (a subset of B)
           consumed, \* non-join: global samples consumed by the trainer
           lastStep, \* non-join: global samples of the last consumed step
           lastOut,  \* items each rank emitted in the last gather (<<>> = idle item)
           rounds,   \* emitting rounds in this logical iteration
           done      \* the epoch is over
 
-vars == <<next, Q, B, E, consumed, lastStep, lastOut, rounds, done>>
+vars == <<next, Q, B, E, H, consumed, lastStep, lastOut, rounds, done>>
 Ranks == 1..W
 
 ---------------------------------------------------------------------------
@@ -60,7 +64,7 @@ BS(l) == LET q == Budget \div (IF l < 1 THEN 1 ELSE l) IN IF q < 1 THEN 1 ELSE q
 Drained(r) == next[r] > NV[r] /\ Q[r] = {}
 IsFinished(r) == Drained(r) /\ B[r] = <<>>
 Status(r) == IF IsFinished(r) THEN "finished"
-             ELSE IF B[r] # <<>> /\ (Len(B[r]) >= BufSize \/ Drained(r)) THEN "ready"
+             ELSE IF B[r] # <<>> /\ (Len(B[r]) - Cardinality(H[r]) >= BufSize \/ Drained(r)) THEN "ready"
              ELSE "waiting"
 
 (* Grouping: the B(l) walk over B sorted by (length, position).            *)
@@ -83,6 +87,25 @@ Admissible(r, gs) ==
     /\ \A k \in DOMAIN gs : Len(gs[k]) >= 1 /\ (Len(gs[k]) >= 2 => MaxLen(r, gs[k]) * Len(gs[k]) <= Budget)
     /\ SumSeq([k \in DOMAIN gs |-> Len(gs[k])]) = Len(B[r])
     /\ UNION {Range(g) : g \in Range(gs)} = Range(B[r])
+
+(* Regroup (odb_core's regroup_padding, grouping.hold_sparse). A rank that *)
+(* is not drained holds back each group of >= 2 samples, none of them held *)
+(* at its last round (H), whose padding exceeds RegroupNum / RegroupDen:    *)
+(* they stay in B and regroup with the next arrivals, where lengths are    *)
+(* denser. If every group would be held, none is. Held samples do not count *)
+(* toward the buffer or the depth until the next emitting round (so a hold *)
+(* never shrinks the next buffer), and a rank with fewer kept groups than T *)
+(* emits held groups (in walk order) before it splits any.                 *)
+SumLen(r, g) == SumSeq([k \in DOMAIN g |-> Length[r][g[k]]])
+Sparse(r, g) == LET area == MaxLen(r, g) * Len(g) IN (area - SumLen(r, g)) * RegroupDen > RegroupNum * area
+Holdable(r, g) == RegroupDen > 0 /\ ~Drained(r) /\ Len(g) >= 2 /\ Range(g) \cap H[r] = {} /\ Sparse(r, g)
+HoldIdx(r, gs) == LET h == {i \in DOMAIN gs : Holdable(r, gs[i])} IN IF h = DOMAIN gs THEN {} ELSE h
+Pick(gs, idx) == LET ks == SelectSeq([i \in 1..Len(gs) |-> i], LAMBDA i : i \in idx) IN [k \in 1..Len(ks) |-> gs[ks[k]]]
+\* the held indices still held once a rank with fewer than T kept groups took back what it needs
+StillHeld(gs, h, T) ==
+    LET hs == SelectSeq([i \in 1..Len(gs) |-> i], LAMBDA i : i \in h)
+        need == T - (Len(gs) - Cardinality(h))
+    IN IF need <= 0 THEN h ELSE IF need >= Len(hs) THEN {} ELSE Range(SubSeq(hs, need + 1, Len(hs)))
 
 (* Target policies over the gathered statuses, group and sample counts.    *)
 Active(st) == {r \in Ranks : st[r] = "ready"}
@@ -171,22 +194,23 @@ Init == /\ next = [r \in Ranks |-> 1]
         /\ Q = [r \in Ranks |-> {}]
         /\ B = [r \in Ranks |-> <<>>]
         /\ E = [r \in Ranks |-> {}]
+        /\ H = [r \in Ranks |-> {}]
         /\ consumed = 0
         /\ lastStep = 0
         /\ lastOut = [r \in Ranks |-> <<>>]
         /\ rounds = 0
         /\ done = (~JoinMode /\ Quota = 0)
 
-(* R -> Q while |Q| + |B| < D, all at once (odb_core's fetch()).           *)
+(* R -> Q while |Q| + |B \ H| < D, all at once (odb_core's fetch()).       *)
 Fetch(r) ==
     /\ ~done
-    /\ LET room == Depth - Cardinality(Q[r]) - Len(B[r])
+    /\ LET room == Depth - Cardinality(Q[r]) - (Len(B[r]) - Cardinality(H[r]))
            avail == NV[r] - next[r] + 1
            take == IF room < avail THEN room ELSE avail
        IN /\ take > 0
           /\ Q' = [Q EXCEPT ![r] = @ \cup next[r]..(next[r] + take - 1)]
           /\ next' = [next EXCEPT ![r] = @ + take]
-    /\ UNCHANGED <<B, E, consumed, lastStep, lastOut, rounds, done>>
+    /\ UNCHANGED <<B, E, H, consumed, lastStep, lastOut, rounds, done>>
 
 (* One in-flight sample arrives, in any order: Q -> B.                     *)
 Drain(r, p) ==
@@ -194,26 +218,28 @@ Drain(r, p) ==
     /\ p \in Q[r]
     /\ Q' = [Q EXCEPT ![r] = @ \ {p}]
     /\ B' = [B EXCEPT ![r] = Append(@, p)]
-    /\ UNCHANGED <<next, E, consumed, lastStep, lastOut, rounds, done>>
+    /\ UNCHANGED <<next, E, H, consumed, lastStep, lastOut, rounds, done>>
 
 EndIteration ==
     IF JoinMode \/ ~ChainOn
     THEN /\ done' = TRUE
          /\ lastOut' = [r \in Ranks |-> <<>>]
-         /\ UNCHANGED <<next, Q, B, E, consumed, lastStep, rounds>>
+         /\ UNCHANGED <<next, Q, B, E, H, consumed, lastStep, rounds>>
     ELSE \* non-join: the trainer chains the next logical iteration
          /\ next' = [r \in Ranks |-> 1]
          /\ Q' = [r \in Ranks |-> {}]
          /\ B' = [r \in Ranks |-> <<>>]
          /\ E' = [r \in Ranks |-> {}]
+         /\ H' = [r \in Ranks |-> {}]
          /\ rounds' = 0
          /\ lastOut' = [r \in Ranks |-> <<>>]
          /\ UNCHANGED <<consumed, lastStep, done>>
 
 (* Values are bound with \E x \in {e} rather than LET so TLC computes them *)
 (* once per step, also when it checks fairness (LET is re-evaluated there). *)
-Emit(st, gs, T, O(_, _)) ==
-    \E al \in {[r \in Ranks |-> IF st[r] = "ready" THEN AlignOp(r, gs[r], T)
+Emit(st, gs, hs, T, O(_, _)) ==
+    \E kh \in {[r \in Ranks |-> IF st[r] = "ready" THEN StillHeld(gs[r], hs[r], T) ELSE {}]} :
+    \E al \in {[r \in Ranks |-> IF st[r] = "ready" THEN AlignOp(r, Pick(gs[r], DOMAIN gs[r] \ kh[r]), T)
                                 ELSE [i \in 1..T |-> <<>>]]} :
     \E out \in O(al, T) :
     \E em \in {[r \in Ranks |-> UNION {Range(g) : g \in Range(out[r])}]} :
@@ -224,6 +250,7 @@ Emit(st, gs, T, O(_, _)) ==
               THEN Min({j \in 1..T : consumed + cum[j] >= Quota}) ELSE T} :
        /\ B' = [r \in Ranks |-> Rest(r, st[r] = "ready", em[r])]
        /\ E' = [r \in Ranks |-> E[r] \cup em[r]]
+       /\ H' = [r \in Ranks |-> IF st[r] = "ready" THEN UNION {Range(gs[r][i]) : i \in kh[r]} ELSE H[r]]
        /\ lastOut' = out
        /\ rounds' = rounds + 1
        /\ IF JoinMode
@@ -241,14 +268,15 @@ GatherWith(P(_), O(_, _)) ==
     /\ ~done
     /\ \E st \in {[r \in Ranks |-> Status(r)]} :
        \E gs \in {[r \in Ranks |-> IF st[r] = "ready" THEN P(r) ELSE <<>>]} :
-       \E T \in {Target(st, [r \in Ranks |-> Len(gs[r])], [r \in Ranks |-> Len(B[r])])} :
+       \E hs \in {[r \in Ranks |-> HoldIdx(r, gs[r])]} :
+       \E T \in {Target(st, [r \in Ranks |-> Len(gs[r]) - Cardinality(hs[r])], [r \in Ranks |-> Len(B[r])])} :
           IF IF JoinMode THEN \A r \in Ranks : st[r] = "finished"
              ELSE \E r \in Ranks : st[r] = "finished"
           THEN EndIteration
           ELSE IF T = 0
           THEN /\ lastOut' = [r \in Ranks |-> <<>>]
-               /\ UNCHANGED <<next, Q, B, E, consumed, lastStep, rounds, done>>
-          ELSE Emit(st, gs, T, O)
+               /\ UNCHANGED <<next, Q, B, E, H, consumed, lastStep, rounds, done>>
+          ELSE Emit(st, gs, hs, T, O)
 Gather == GatherWith(Packing, Orders)
 
 Terminating == done /\ UNCHANGED vars
@@ -274,7 +302,7 @@ SpecNoGatherFairness == Init /\ [][Next]_vars /\ WF_vars(DrainAny) /\ WF_vars(Fe
 (* Properties.                                                             *)
 TypeOK ==
     /\ next \in [Ranks -> Nat] /\ \A r \in Ranks : next[r] \in 1..(NV[r] + 1)
-    /\ \A r \in Ranks : Q[r] \subseteq Views(r) /\ E[r] \subseteq Views(r)
+    /\ \A r \in Ranks : Q[r] \subseteq Views(r) /\ E[r] \subseteq Views(r) /\ H[r] \subseteq Views(r)
     /\ \A r \in Ranks : B[r] \in Seq(Views(r))
     /\ consumed \in Nat /\ lastStep \in Nat /\ rounds \in Nat /\ done \in BOOLEAN
 
@@ -286,7 +314,11 @@ NoLeak ==
         /\ Q[r] \cap Range(B[r]) = {} /\ Q[r] \cap E[r] = {} /\ Range(B[r]) \cap E[r] = {}
         /\ Remaining(r) \cup Q[r] \cup Range(B[r]) \cup E[r] = Views(r)
 
-DepthBound == \A r \in Ranks : Cardinality(Q[r]) + Len(B[r]) <= Depth
+\* Held samples (H) do not count toward D; they are at most D more.
+DepthBound == \A r \in Ranks : Cardinality(Q[r]) + Len(B[r]) - Cardinality(H[r]) <= Depth
+
+\* Regroup: held samples are buffered samples, at most D of them.
+HeldOK == \A r \in Ranks : H[r] \subseteq Range(B[r]) /\ Cardinality(H[r]) <= Depth
 
 \* P2 Lockstep: every rank emitted the same number of items in the last round.
 Lockstep == \A r, s \in Ranks : Len(lastOut[r]) = Len(lastOut[s])

@@ -18,9 +18,9 @@ VARIABLES t, i
 
 Tr == Traces[t]
 
-Is(s) == /\ next = s.next /\ Q = s.Q /\ B = s.B /\ E = s.E /\ consumed = s.consumed
+Is(s) == /\ next = s.next /\ Q = s.Q /\ B = s.B /\ E = s.E /\ H = s.H /\ consumed = s.consumed
          /\ lastStep = s.lastStep /\ lastOut = s.lastOut /\ rounds = s.rounds /\ done = s.done
-IsNext(s) == /\ next' = s.next /\ Q' = s.Q /\ B' = s.B /\ E' = s.E /\ consumed' = s.consumed
+IsNext(s) == /\ next' = s.next /\ Q' = s.Q /\ B' = s.B /\ E' = s.E /\ H' = s.H /\ consumed' = s.consumed
              /\ lastStep' = s.lastStep /\ lastOut' = s.lastOut /\ rounds' = s.rounds /\ done' = s.done
 
 Init == /\ t \in 1..Len(Traces)
@@ -32,7 +32,7 @@ Step == /\ i >= 1 /\ i < Len(Tr.states)
         /\ IsNext(Tr.states[i + 1])
         /\ ReplayAt(t, Tr.packs[i + 1])
 Stuck == /\ i >= 1 /\ i < Len(Tr.states) /\ ~ENABLED Step
-         /\ i' = 0 /\ UNCHANGED <<t, next, Q, B, E, consumed, lastStep, lastOut, rounds, done>>
-Over == (i = 0 \/ i = Len(Tr.states)) /\ UNCHANGED <<t, i, next, Q, B, E, consumed, lastStep, lastOut, rounds, done>>
+         /\ i' = 0 /\ UNCHANGED <<t, next, Q, B, E, H, consumed, lastStep, lastOut, rounds, done>>
+Over == (i = 0 \/ i = Len(Tr.states)) /\ UNCHANGED <<t, i, next, Q, B, E, H, consumed, lastStep, lastOut, rounds, done>>
 Next == Step \/ Stuck \/ Over
 =============================================================================

@@ -28,12 +28,15 @@ class OneRankVsPeers(RuleBasedStateMachine):
         overflow=st.sampled_from(["largest", "oldest"]),
         capacity=st.one_of(st.none(), st.integers(1, 4)),
         scaling=st.sampled_from(["none", "sample", "approx", "exact"]),
+        regroup=st.sampled_from([None, 0.0, 0.02, 0.3]),
         data=st.data(),
     )
-    def setup(self, world, n, budget, buffer_size, extra_depth, mode, policy, overflow, capacity, scaling, data):
+    def setup(self, world, n, budget, buffer_size, extra_depth, mode, policy, overflow, capacity, scaling, regroup,
+              data):
         self.cfg = ODBConfig(
             token_budget=budget, buffer_size=buffer_size, depth=buffer_size + extra_depth, mode=mode,
             target_policy=policy, overflow_policy=overflow, output_capacity=capacity, loss_scaling=scaling,
+            regroup_padding=regroup,
         )
         self.rank = data.draw(st.integers(0, world - 1))
         self.world = world
@@ -143,7 +146,9 @@ class OneRankVsPeers(RuleBasedStateMachine):
         r, q, b, e = p.remaining, p.in_flight, set(p.buffered), p.emitted
         assert len(r) + len(q) + len(b) + len(e) == len(p.views)
         assert set(r) | q | b | set(e) == set(range(len(p.views)))
-        assert len(q) + len(b) <= self.cfg.outstanding_depth
+        h = p.held  # regroup: held samples stay in B and count toward neither the buffer nor D
+        assert h <= b and len(h) <= self.cfg.outstanding_depth
+        assert len(q) + len(b) - len(h) <= self.cfg.outstanding_depth
         assert q == set(self.pipeline)
 
 
