@@ -152,6 +152,12 @@ class RankProtocol:
         """The first position of R (``len(views)`` once the sampler is drained)."""
         return self._next
 
+    @property
+    def buffer_fill(self) -> int:
+        """|B \\ H|: buffered samples that count toward ``buffer_size`` (held-back ones do not);
+        the buffer is full, and the rank ready, once this reaches ``buffer_size``."""
+        return len(self._length) - len(self._held)
+
     def fetch_room(self) -> int:
         """D - |Q| - |B \\ H|: how many views ``fetch()`` may still move (if R has them)."""
         return self.config.outstanding_depth - len(self._inflight) - len(self._length) + len(self._held)

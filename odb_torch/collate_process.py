@@ -57,6 +57,7 @@ class CollateSpec:
     num_workers: int
     prefetch_factor: int | None
     worker_start_method: str | None
+    skip_idle: bool = False
 
 
 class _ParentGone(Exception):
@@ -141,8 +142,9 @@ CHAIN_STRIDE = 1 << 20
 def run_epoch(
     spec: CollateSpec, pg: Any, sampler: Any, epoch: int, out: Any, parent: int, ctrl: Any,
     skip: frozenset[int] = frozenset(), first_step: int = 0,
-) -> None:
+) -> bool:
     """One epoch of the protocol; puts ("step", batch, StepInfo, positions) items on ``out``.
+    Returns True if it already put the epoch's ("end", epoch) (see :func:`_run_iteration`).
 
     Join mode: one logical iteration over this rank's sampler views (P4). ``skip``
     holds the sampler positions already consumed before a restart: they are left out,
@@ -157,8 +159,8 @@ def run_epoch(
     if spec.config.mode == "join":
         order = _views(spec, sampler, epoch)
         kept = [pos for pos in range(len(order)) if pos not in skip]
-        _run_iteration(spec, pg, [order[pos] for pos in kept], kept, epoch, epoch, out, parent, ctrl, first_step, None)
-        return
+        return _run_iteration(spec, pg, [order[pos] for pos in kept], kept, epoch, epoch, out, parent, ctrl,
+                              first_step, None) < 0
     quota = QuotaTracker(len(spec.dataset))  # type: ignore[arg-type]
     step, k = first_step, 0
     while not quota.reached:
@@ -170,6 +172,7 @@ def run_epoch(
             raise NonJoinStalledError(f"rank {spec.rank}: non-join iteration {k} of epoch {epoch} emitted nothing "
                                       "before a rank finished (a rank has no data?)")
         k += 1
+    return False
 
 
 def _run_iteration(
@@ -177,7 +180,13 @@ def _run_iteration(
     parent: int, ctrl: Any, step: int, quota: QuotaTracker | None,
 ) -> int:
     """One logical iteration over ``views``; returns the next step number. With a quota
-    (non-join), stops right after the step that reaches it."""
+    (non-join), stops right after the step that reaches it.
+
+    Join mode with ``skip_idle``: once this rank is finished (R, Q, B empty), every later
+    item of the iteration is idle, so it puts ("end", epoch) at once and keeps taking
+    part in the rounds without putting anything, returning -1: the trainer's loop ends
+    and it can join (torch ``Join``) instead of waiting in a collective for peers whose
+    batches cannot come while its own loop waits for the epoch's end."""
     proto = RankProtocol(spec.config, spec.rank, spec.world, views, iteration=iteration)
     size = chunk_size(spec.config, spec.num_workers)
     chunks = [list(range(k, min(k + size, len(views)))) for k in range(0, len(views), size)]
@@ -193,6 +202,7 @@ def _run_iteration(
     held: dict[int, tuple[Any, tuple[int, int]]] = {}  # loaded ahead of the core's fetch (still in R)
     received = 0
     template: Any = None
+    ended = False  # ("end", epoch) already put (join mode, skip_idle, this rank finished)
 
     def admit() -> None:
         """Fetch what the depth allows, then hand the core every loaded sample now in Q."""
@@ -208,7 +218,7 @@ def _run_iteration(
         admit()
         # after admit(), every held sample lies beyond R's head: received < next_position
         # means some fetched view has not arrived yet
-        while len(samples) < spec.config.buffer_size and received < proto.next_position:
+        while proto.buffer_fill < spec.config.buffer_size and received < proto.next_position:
             try:
                 packed = next(it)
             except (SampleLoadError, InvalidSampleError):
@@ -223,11 +233,13 @@ def _run_iteration(
             admit()
         plan = proto.on_headers(_all_gather(pg, proto.begin_round(), spec.world, "header", spec.rank))
         if plan.done:
-            return step
+            return -1 if ended else step
         if plan.step_vector is None:
             continue
         steps = proto.on_steps(_all_gather(pg, plan.step_vector, spec.world, "step", spec.rank))
         for s in steps:
+            if ended:  # only idle items are left for this rank: nothing to deliver
+                continue
             if s.is_idle:
                 if template is None:
                     template = spec.dataset[0]
@@ -251,6 +263,9 @@ def _run_iteration(
                 quota.add(s.global_samples)
                 if quota.reached:
                     return step
+        if quota is None and spec.skip_idle and proto.finished and not ended:
+            _put(out, ("end", epoch), parent, ctrl)
+            ended = True
 
 
 def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any) -> None:
@@ -277,8 +292,8 @@ def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any) -> None:
             if cmd[0] == "stop":
                 break
             _, epoch, skip, first_step = cmd
-            run_epoch(spec, pg, sampler, epoch, out, parent, ctrl, frozenset(skip), first_step)
-            _put(out, ("end", epoch), parent, ctrl)
+            if not run_epoch(spec, pg, sampler, epoch, out, parent, ctrl, frozenset(skip), first_step):
+                _put(out, ("end", epoch), parent, ctrl)
     except _ParentGone:
         pass
     except BaseException as exc:  # anything reaches the trainer, typed

@@ -27,7 +27,11 @@ class ODBDataLoader:
     Each yielded batch is exactly what ``collate_fn`` returned for one token-budgeted
     group (P3); every rank yields the same number of batches per epoch (P2), idle
     ranks getting zero-weight batches (``step_info.is_idle``, ``loss_scale == 0``)
-    unless ``skip_idle=True`` (for trainers using torch's ``Join``). Leaving an epoch
+    unless ``skip_idle=True`` (for trainers using torch's ``Join``): then a rank's epoch
+    loop ends as soon as the rank has no real batch left, while its collate process
+    keeps serving the epoch's rounds for its peers (so the rank can join instead of
+    waiting in a collective its peers cannot reach); keep the loader open until every
+    rank's loop ended, as ``Join``'s context does. Leaving an epoch
     early (``break``) and iterating again restarts the collate process, so no stale
     batch carries over; do it at the same step on every rank. In join mode
     every sampler view is yielded once per epoch (P4). Multiply the local mean loss
@@ -38,7 +42,8 @@ class ODBDataLoader:
         dataset: a map-style dataset (picklable: it is sent to the collate process).
         token_budget: L_max, padded tokens per batch.
         config: the core's :class:`~odb_core.ODBConfig` instead of the protocol keywords
-            (token_budget, buffer_size, depth, mode, loss_scaling, target_policy, seed, shuffle_steps);
+            (token_budget, buffer_size, depth, mode, loss_scaling, target_policy, seed, shuffle_steps,
+            regroup_padding);
             when given, those keywords are ignored.
         collate_fn: turns a list of samples into a batch (default ``default_collate``).
         mode: ``"join"`` (default): every sampler view is yielded once per epoch (P4);
@@ -54,6 +59,9 @@ class ODBDataLoader:
             (default True; ``ODBConfig.shuffle_steps``), fixed before the ranks exchange
             step sizes, so pairing and loss weights hold (P2, P7) while a global step mixes
             lengths across ranks and rounds do not run from short to long samples.
+        regroup_padding: hold back groups padded above this fraction for one round to
+            regroup with the next arrivals (default 0.02; None: off;
+            ``ODBConfig.regroup_padding``).
         init_method: rendezvous of the collate group (default ``tcp://MASTER_ADDR:
             MASTER_PORT+1``, or a free local port when alone; env ``ODB_COLLATE_PORT``).
         timeout: seconds before a silent collate process or peer is an error.
@@ -86,6 +94,7 @@ class ODBDataLoader:
         loss_tokens_fn: Callable[[Any], int] | None = None,
         skip_idle: bool = False,
         shuffle_steps: bool = True,
+        regroup_padding: float | None = 0.02,
         init_method: str | None = None,
         timeout: float = 300.0,
         start_method: str = "spawn",
@@ -105,7 +114,7 @@ class ODBDataLoader:
             self.config = ODBConfig(
                 token_budget=token_budget, buffer_size=buffer_size, depth=depth, mode=mode,  # type: ignore[arg-type]
                 loss_scaling=loss_scaling, target_policy=target_policy, seed=seed,  # type: ignore[arg-type]
-                shuffle_steps=shuffle_steps,
+                shuffle_steps=shuffle_steps, regroup_padding=regroup_padding,
             )
         seed = self.config.seed
         if rank is None:
@@ -127,6 +136,7 @@ class ODBDataLoader:
             loss_tokens_fn=loss_tokens_fn, config=self.config, rank=rank, world=world_size,
             init_method=init_method, timeout=timeout, num_workers=num_workers,
             prefetch_factor=prefetch_factor,
+            skip_idle=skip_idle,
             worker_start_method=worker_start_method or ("fork" if "fork" in tmp.get_all_start_methods() else "spawn"),
         )
         self.skip_idle = skip_idle
