@@ -36,6 +36,8 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--overflow-policy", choices=["largest", "oldest"], default="largest")
     p.add_argument("--capacity", type=int, default=None, help="output slots per rank per round (default unbounded)")
     p.add_argument("--loss-scaling", choices=["none", "sample", "approx", "exact"], default="exact")
+    p.add_argument("--regroup-padding", type=float, default=0.02,
+                   help="hold back groups padded above this fraction to regroup (default 0.02; negative: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-shuffle", action="store_true", help="sampler order 0..N-1 instead of a seeded shuffle")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -72,6 +74,7 @@ def _simulate(args: argparse.Namespace) -> int:
             target_policy=args.target_policy,
             overflow_policy=args.overflow_policy,
             output_capacity=args.capacity,
+            regroup_padding=None if args.regroup_padding < 0 else args.regroup_padding,
         )
     except ValidationError as exc:
         raise SystemExit(f"odb simulate: invalid configuration:\n{exc}") from None

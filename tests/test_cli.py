@@ -30,6 +30,16 @@ def test_simulate_json_has_every_key_and_lockstep(mode, schedule):
         assert report["emitted_per_rank"] == [751] * 4 and report["unique_identities"] == 3001
 
 
+def test_simulate_regroup_lowers_padding_and_keeps_coverage():
+    """Regroup (the default) against --regroup-padding -1 (off) on the same llava lengths:
+    less padding, no more steps, every view still emitted once (P4)."""
+    args = ("simulate", "--world", "2", "--samples", "20000", "--lengths", "llava", "--json")
+    on, off = (json.loads(odb(*args, *extra).stdout) for extra in ((), ("--regroup-padding", "-1")))
+    assert on["padding_fraction"] < off["padding_fraction"]
+    assert on["steps_per_rank"][0] <= off["steps_per_rank"][0]
+    assert on["unique_identities"] == off["unique_identities"] == 20000 and on["duplicate_emits"] == 0
+
+
 def test_simulate_reads_a_lengths_file(tmp_path):
     f = tmp_path / "lengths.txt"
     f.write_text("100 200\n500, 800\n")
