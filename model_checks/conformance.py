@@ -54,10 +54,10 @@ class Scenario:
     dataset_size: int | None = None
     """N, the non-join quota; defaults to the number of views (no sampler padding)."""
     shuffle: bool = True
-    regroup: tuple[int, int] = (1, 50)
-    """(RegroupNum, RegroupDen): the core's ``regroup_padding`` as a fraction; (0, 0) is off."""
     """The core's ``shuffle_steps``; the spec admits every order (``Orders``), and a
     scenario without it is compared against the spec's ``InOrder``."""
+    regroup: tuple[int, int] = (1, 50)
+    """(RegroupNum, RegroupDen): the core's ``regroup_padding`` as a fraction; (0, 0) is off."""
 
     @property
     def quota(self) -> int:

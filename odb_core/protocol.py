@@ -117,6 +117,7 @@ class RankProtocol:
         self._grouping: list[list[int]] = []  # the full B(l) grouping of this round
         self._holding: list[list[int]] = []  # groups held back this round (regroup_padding)
         self._held: set[int] = set()  # H: positions held back at the last emitting round
+        self._regroup = config.regroup_fraction  # exact threshold, computed once
         self._header: Header | None = None
         self._headers: list[Header] = []
         self._pending: list[list[int]] = []
@@ -235,9 +236,8 @@ class RankProtocol:
         else:
             status, self._groups = Status.WAITING, []
         self._grouping, self._holding = self._groups, []
-        fraction = self.config.regroup_fraction
-        if status is Status.READY and not drained and fraction is not None:
-            self._groups, self._holding = hold_sparse(self._groups, self._length, fraction, self._held)
+        if status is Status.READY and not drained and self._regroup is not None:
+            self._groups, self._holding = hold_sparse(self._groups, self._length, self._regroup, self._held)
         self._candidates = self._groups  # replaced, never mutated, by the round; copied on read
         self._header = Header(
             iteration=self.iteration,

@@ -82,3 +82,20 @@ def test_batch_size_rule():
 def test_bad_input_names_the_sample_or_field(lengths, budget, needle):
     with pytest.raises(InvalidSampleError, match=needle):
         form_groups(lengths, budget)
+
+
+def test_hold_sparse_holds_padded_groups_only_and_never_all():
+    """Regroup: a group of >= 2 padded above the fraction is held; singletons, tight groups
+    and groups touching the exempt set (held last round) are kept; all held -> none held."""
+    from fractions import Fraction
+
+    from odb_core.grouping import hold_sparse
+
+    lengths = {0: 10, 1: 10, 2: 5, 3: 10, 4: 100, 5: 6, 6: 12}
+    groups = [[0, 1], [2, 3], [4], [5, 6]]  # padding 0, 25%, 0 (singleton), 25%
+    kept, held = hold_sparse(groups, lengths, Fraction(1, 50), set())
+    assert (kept, held) == ([[0, 1], [4]], [[2, 3], [5, 6]])
+    kept, held = hold_sparse(groups, lengths, Fraction(1, 50), {6})
+    assert (kept, held) == ([[0, 1], [4], [5, 6]], [[2, 3]])
+    assert hold_sparse(groups, lengths, Fraction(1, 4), set()) == (groups, [])  # 25% is not above 25%
+    assert hold_sparse([[2, 3], [5, 6]], lengths, Fraction(1, 50), set()) == ([[2, 3], [5, 6]], [])
