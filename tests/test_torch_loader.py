@@ -222,3 +222,22 @@ def test_non_join_epoch_closes_the_quota_in_lockstep(world, tmp_path):
         assert emitted == sum(globals_)
         assert n <= emitted <= n + max(globals_) and sum(globals_[:-1]) < n, "P5: the quota closes at the first step reaching N"
         assert all(0 <= i < n for rank in steps for s in rank for i in s["ids"])
+
+
+def test_skip_idle_under_join_ends_a_finished_rank_early_without_deadlock(tmp_path):
+    """Join mode + ``skip_idle`` under torch ``Join``, uneven shards (rank 0: 36 samples,
+    rank 1: 4; each 100 tokens, so one per batch at budget 128) and an output queue of 1:
+    rank 1's loop must end while rank 0 still trains, far more trailing steps than its
+    queue holds (else the ranks deadlock: rank 0 in DDP's all-reduce, rank 1 waiting for
+    the epoch's end). Every sample is trained once per epoch (P4)."""
+    n = 40
+    task = {"kind": "join", "n": n, "epochs": 2, "uneven": True, "shards": [list(range(36)), list(range(36, 40))],
+            "skip_idle": True, "queue_size": 1, "timeout": 30, "buffer": 8}
+    results = run_ranks(2, task, tmp_path)
+    for r in results:
+        assert "error" not in r, r
+    for epoch in range(2):
+        counts = [len(r["epochs"][epoch]) for r in results]
+        assert counts[0] >= counts[1] + 10, f"rank 1 should run far fewer batches than rank 0, got {counts}"
+        ids = [i for r in results for batch in r["epochs"][epoch] for i in batch]
+        assert sorted(ids) == list(range(n)), f"P4: epoch {epoch} under Join trains every sample once"

@@ -24,9 +24,10 @@ def sample_length(i: int) -> int:
 class ToyDataset(Dataset):  # type: ignore[type-arg]
     """Token samples; ``fail`` maps an index to the failure it triggers."""
 
-    def __init__(self, n: int, fail: dict[int, str] | None = None) -> None:
+    def __init__(self, n: int, fail: dict[int, str] | None = None, uneven: bool = False) -> None:
         self.n = n
         self.fail = fail or {}
+        self.uneven = uneven  # every sample 100 tokens: one per batch at budget 128
 
     def __len__(self) -> int:
         return self.n
@@ -36,7 +37,7 @@ class ToyDataset(Dataset):  # type: ignore[type-arg]
             raise ValueError(f"corrupt record {i}")
         if self.fail.get(i) == "die" and torch.utils.data.get_worker_info() is not None:
             os.kill(os.getpid(), 9)  # a DataLoader worker dies mid-epoch
-        length = 0 if self.fail.get(i) == "empty" else sample_length(i)
+        length = 0 if self.fail.get(i) == "empty" else 100 if self.uneven else sample_length(i)
         ids = (torch.arange(length) * (i + 3)) % 50
         labels = ids.clone()
         labels[: length // 3] = -100
@@ -44,6 +45,22 @@ class ToyDataset(Dataset):  # type: ignore[type-arg]
         if self.fail.get(i) == "nolength":
             del sample["input_ids"]
         return sample
+
+
+class ShardSampler:
+    """A fixed shard of indices per rank (shards of any sizes); ``set_epoch`` is a no-op."""
+
+    def __init__(self, indices: list[int]) -> None:
+        self.indices = indices
+
+    def __iter__(self) -> Any:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
 
 
 def tuple_collate(samples: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,13 +103,16 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
-        dataset = ToyDataset(task["n"], {int(k): v for k, v in task.get("fail", {}).items()})
+        dataset = ToyDataset(task["n"], {int(k): v for k, v in task.get("fail", {}).items()}, task.get("uneven", False))
         collate = {"failing": failing_collate, "tuple": tuple_collate, "tensor": tensor_collate}.get(
             task.get("collate", ""), pad_collate)
         loader = ODBDataLoader(dataset, token_budget=128, collate_fn=collate, buffer_size=task.get("buffer", 16),
                                num_workers=task.get("workers", 0), seed=task.get("seed", 0),
                                init_method=f"tcp://127.0.0.1:{port + 1}", timeout=task.get("timeout", 60),
-                               start_method=task.get("start_method", "spawn"), mode=task.get("mode", "join"))
+                               start_method=task.get("start_method", "spawn"), mode=task.get("mode", "join"),
+                               sampler=ShardSampler(task["shards"][rank]) if "shards" in task else None,
+                               skip_idle=task.get("skip_idle", False),
+                               queue_size=task.get("queue_size", 8))
         try:
             if task["kind"] == "audit":
                 result["epochs"] = []
@@ -114,6 +134,8 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
                                       "longest": int(batch["input_ids"].shape[1]), "over": info.over_budget})
                     result["epochs"].append(steps)
                     result.setdefault("fds_after_epoch", []).append(len(os.listdir("/proc/self/fd")))
+            elif task["kind"] == "join":
+                result["epochs"] = join_epochs(loader, task["epochs"])
             elif task["kind"] == "grad":
                 result["max_err"] = grad_check(loader, world)
             elif task["kind"] == "resume":
@@ -159,6 +181,29 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
         dist.destroy_process_group()
     except Exception:
         pass
+
+
+def join_epochs(loader: ODBDataLoader, epochs: int) -> list[list[list[int]]]:
+    """Train a DDP TinyLM under torch's ``Join`` with ``skip_idle`` batches; per epoch, the
+    indices of every batch this rank trained."""
+    from torch.distributed.algorithms.join import Join
+
+    ddp = torch.nn.parallel.DistributedDataParallel(TinyLM())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    trained: list[list[list[int]]] = []
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        steps: list[list[int]] = []
+        with Join([ddp]):
+            for batch in loader:
+                info = loader.step_info
+                assert not info.is_idle, "skip_idle yields no idle batch"
+                (ddp(batch) / max(info.local_tokens, 1) * info.loss_scale).backward()
+                opt.step()
+                opt.zero_grad()
+                steps.append(batch["idx"].tolist())
+        trained.append(steps)
+    return trained
 
 
 def grad_check(loader: ODBDataLoader, world: int) -> float:

@@ -23,7 +23,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def run_demo(quick: bool = False, results: Path = Path("results"), world: int = 2, samples: int | None = None,
              seed: int = 0, progress: bool = True, methods: tuple[str, ...] = ("standard", "sorted", "odb"),
-             ) -> dict[str, Any]:
+             buffer_size: int | None = None, regroup_padding: float | None = 0.02) -> dict[str, Any]:
     """Run every method in turn (each W spawned Gloo ranks); returns the summary
     (``methods`` rows, ``config``, ``plots``) and writes it, the logs and the plots to ``results``."""
     from torch.multiprocessing.spawn import start_processes
@@ -33,7 +33,9 @@ def run_demo(quick: bool = False, results: Path = Path("results"), world: int = 
     from odb_torch.demo.report import plot, summarize
     from odb_torch.demo.train import RunConfig, run_rank
 
-    preset = PRESETS["quick" if quick else "full"]
+    preset = dict(PRESETS["quick" if quick else "full"])
+    if buffer_size is not None:
+        preset["buffer_size"] = buffer_size
     n = samples or preset["samples"]
     full = ChatDataset(max_length=preset["max_length"])
     pick = list(range(len(full)))
@@ -52,7 +54,7 @@ def run_demo(quick: bool = False, results: Path = Path("results"), world: int = 
         for method in methods:
             cfg = RunConfig(method=method, batch_size=batch_size, token_budget=preset["token_budget"],
                             buffer_size=preset["buffer_size"], lr=preset["lr"], model=model, seed=seed,
-                            progress=progress)
+                            progress=progress, regroup_padding=regroup_padding)
             out = str(Path(tmpdir, f"{method}.json"))
             start_processes(run_rank, args=(world, free_port(4), cfg, data, out, probe), nprocs=world,  # type: ignore[no-untyped-call]
                             start_method="spawn")

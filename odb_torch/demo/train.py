@@ -50,6 +50,7 @@ class RunConfig:
     seed: int = 0
     num_workers: int = 1
     progress: bool = True
+    regroup_padding: float | None = 0.02  # ODB only (ODBConfig.regroup_padding)
 
 
 def shifted_loss_tokens(sample: dict[str, Any]) -> int:
@@ -100,7 +101,7 @@ def _loader(cfg: RunConfig, data: ChatDataset, rank: int, world: int, port: int)
     if cfg.method == "odb":
         odb = ODBDataLoader(data, token_budget=cfg.token_budget, collate_fn=pad_collate, buffer_size=cfg.buffer_size,
                             num_workers=cfg.num_workers, seed=cfg.seed, loss_tokens_fn=shifted_loss_tokens,
-                            init_method=f"tcp://127.0.0.1:{port + 1}")
+                            regroup_padding=cfg.regroup_padding, init_method=f"tcp://127.0.0.1:{port + 1}")
         return odb, -1
     if cfg.method == "sorted":
         sampler = LengthGroupedBatches(data.lengths(), cfg.batch_size, rank, world, cfg.seed)
