@@ -62,7 +62,8 @@ class ODBConfig(BaseModel):
             loss weights (P2, P7). Groups form short to long; in order, every global step
             would pair the ranks' k-th shortest groups and each round would run from
             short to long samples. Shuffled, a step mixes lengths across ranks (demo,
-            3 seeds: mean final loss 5.656 against 5.702 with one order for all ranks).
+            seeds 0-2, measured before regroup landed: mean final loss 5.656 against 5.702
+            with one order for all ranks).
             The spec admits every order (``Orders`` in spec/ODB.tla).
         mutant: a seeded bug, for mutation checks only (model_checks, tests): the
             same bug as the spec's mutant configuration of that name. Never set it

