@@ -111,6 +111,8 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p = sub.add_parser("check", help="model-check the spec with TLC, hunt mutants, check core/spec conformance")
     p.add_argument("--deep", action="store_true", help="also run the deep suite (larger constants, minutes)")
     p.add_argument("--select", default="*", help="only configurations whose name matches this glob")
+    p.add_argument("--scenarios", default="*",
+                   help="only core-vs-spec state-space scenarios whose name matches this glob")
     p.add_argument("--traces", type=int, default=520, help="simulator traces to replay under TLC (default 520)")
     p.add_argument("--mutant-traces", type=int, default=20, help="traces per mutant that must be rejected")
     p.add_argument("--hunt-examples", type=int, default=2000, help="hypothesis examples per mutant hunt (0: skip)")
@@ -122,7 +124,7 @@ def _check(args: argparse.Namespace) -> int:
     from model_checks.report import check
 
     report = check(deep=args.deep, select=args.select, traces=args.traces, mutant_traces_each=args.mutant_traces,
-                   hunt_examples=args.hunt_examples, progress=not args.json)
+                   hunt_examples=args.hunt_examples, progress=not args.json, scenarios=args.scenarios)
     if args.json:
         print(json.dumps(report))
     else:

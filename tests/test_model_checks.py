@@ -90,7 +90,7 @@ def test_mutated_core_traces_are_rejected():
 def test_odb_check_json_shape():
     out = subprocess.run(
         [sys.executable, "-m", "odb_torch.cli", "check", "--json", "--select", "mutant_no_chain", "--traces", "12",
-         "--mutant-traces", "2", "--hunt-examples", "500"],
+         "--mutant-traces", "2", "--hunt-examples", "500", "--scenarios", "join_2x4"],
         capture_output=True, text=True, timeout=600,
     )
     report = json.loads(out.stdout)
@@ -101,4 +101,5 @@ def test_odb_check_json_shape():
     assert {m["name"] for m in report["mutants"]} == set(MUTANTS)
     assert all({"name", "caught_by_tlc", "caught_by_hypothesis"} <= set(m) for m in report["mutants"])
     assert {"traces_checked", "traces_accepted", "mutant_traces_rejected", "state_space_equal"} <= set(report["conformance"])
-    assert report["conformance"]["traces_accepted"] == 12 and report["conformance"]["state_space_equal"]
+    assert report["conformance"]["traces_accepted"] == 12 and report["conformance"]["state_space_equal"] is True
+    assert [s["scenario"] for s in report["conformance"]["state_spaces"]] == ["join_2x4"], "--scenarios picks by glob"
