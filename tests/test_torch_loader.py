@@ -231,7 +231,7 @@ def test_skip_idle_under_join_ends_a_finished_rank_early_without_deadlock(tmp_pa
     queue holds (else the ranks deadlock: rank 0 in DDP's all-reduce, rank 1 waiting for
     the epoch's end). Every sample is trained once per epoch (P4)."""
     n = 40
-    task = {"kind": "join", "n": n, "epochs": 2, "uneven": True, "shards": [list(range(36)), list(range(36, 40))],
+    task = {"kind": "join", "n": n, "epochs": 2, "length": 100, "shards": [list(range(36)), list(range(36, 40))],
             "skip_idle": True, "queue_size": 1, "timeout": 30, "buffer": 8}
     results = run_ranks(2, task, tmp_path)
     for r in results:

@@ -24,10 +24,10 @@ def sample_length(i: int) -> int:
 class ToyDataset(Dataset):  # type: ignore[type-arg]
     """Token samples; ``fail`` maps an index to the failure it triggers."""
 
-    def __init__(self, n: int, fail: dict[int, str] | None = None, uneven: bool = False) -> None:
+    def __init__(self, n: int, fail: dict[int, str] | None = None, length: int | None = None) -> None:
         self.n = n
         self.fail = fail or {}
-        self.uneven = uneven  # every sample 100 tokens: one per batch at budget 128
+        self.length = length  # every sample this long; None: sample_length(i)
 
     def __len__(self) -> int:
         return self.n
@@ -37,7 +37,7 @@ class ToyDataset(Dataset):  # type: ignore[type-arg]
             raise ValueError(f"corrupt record {i}")
         if self.fail.get(i) == "die" and torch.utils.data.get_worker_info() is not None:
             os.kill(os.getpid(), 9)  # a DataLoader worker dies mid-epoch
-        length = 0 if self.fail.get(i) == "empty" else 100 if self.uneven else sample_length(i)
+        length = 0 if self.fail.get(i) == "empty" else sample_length(i) if self.length is None else self.length
         ids = (torch.arange(length) * (i + 3)) % 50
         labels = ids.clone()
         labels[: length // 3] = -100
@@ -103,7 +103,7 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
-        dataset = ToyDataset(task["n"], {int(k): v for k, v in task.get("fail", {}).items()}, task.get("uneven", False))
+        dataset = ToyDataset(task["n"], {int(k): v for k, v in task.get("fail", {}).items()}, task.get("length"))
         collate = {"failing": failing_collate, "tuple": tuple_collate, "tensor": tensor_collate}.get(
             task.get("collate", ""), pad_collate)
         loader = ODBDataLoader(dataset, token_budget=128, collate_fn=collate, buffer_size=task.get("buffer", 16),

