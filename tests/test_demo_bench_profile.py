@@ -26,6 +26,7 @@ def test_demo_quick_json_table_and_plots(tmp_path):
     summary = json.loads(run("demo", "--quick", "--json", "--results", str(tmp_path)))
     names = [m["name"] for m in summary["methods"]]
     assert names == ["standard", "sorted", "odb"]
+    assert summary["config"]["max_grad_norm"] == 1.0, "every method clips the gradient norm at the recorded value"
     for m in summary["methods"]:
         for key in ("samples_per_second", "padding_fraction", "samples_per_update", "updates", "final_loss"):
             assert key in m, key

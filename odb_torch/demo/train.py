@@ -1,6 +1,7 @@
 """One demo run: W Gloo ranks (spawn) fine-tune :class:`TinyCausalLM` with one batching method.
 
-Methods, all over the same samples and the same model, optimizer and learning rate:
+Methods, all over the same samples and the same model, optimizer, learning rate and
+gradient clipping:
 
 * ``standard``: torch's DataLoader, random fixed-size batches (DistributedSampler);
 * ``sorted``: length-grouped fixed-size batches (mega-batches of 50 batches sorted by
@@ -51,6 +52,7 @@ class RunConfig:
     num_workers: int = 1
     progress: bool = True
     regroup_padding: float | None = 0.02  # ODB only (ODBConfig.regroup_padding)
+    max_grad_norm: float | None = 1.0  # clip the global gradient norm before each update (None: off)
 
 
 def shifted_loss_tokens(sample: dict[str, Any]) -> int:
@@ -164,6 +166,8 @@ def run_rank(rank: int, world: int, port: int, cfg: RunConfig, data: ChatDataset
             else:
                 local = ids.shape[0]
                 (loss_sum / float(max(tokens, 1))).backward()
+            if cfg.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
             lengths = int((ids != 0).sum()) if local else 0
