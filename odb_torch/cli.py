@@ -154,7 +154,8 @@ def _demo(args: argparse.Namespace) -> int:
         return 0
     c = summary["config"]
     print(f"\nW={c['world']} ranks (Gloo, CPU), {c['samples']} conversations of {c['data']}, cut off at "
-          f"{c['max_length']} tokens; ODB token budget {c['token_budget']}, buffer {c['buffer_size']}; "
+          f"{c['max_length']} tokens; ODB {c['token_budget']} tokens per rank per update in "
+          f"{c['accumulation_steps']} micro-batches, buffer {c['buffer_size']}; "
           f"fixed batch size {c['fixed_batch_size']}\n")
     print(table(summary["methods"]))
     print(f"\nplots: {', '.join(summary['plots'])}")

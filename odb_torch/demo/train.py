@@ -6,7 +6,10 @@ gradient clipping:
 * ``standard``: torch's DataLoader, random fixed-size batches (DistributedSampler);
 * ``sorted``: length-grouped fixed-size batches (mega-batches of 50 batches sorted by
   length, as Hugging Face's ``group_by_length``), the batches shuffled and dealt to ranks;
-* ``odb``: :class:`~odb_torch.ODBDataLoader` with exact loss scaling (P7).
+* ``odb``: :class:`~odb_torch.ODBDataLoader` with exact loss scaling (P7), each update
+  ``accumulation_steps`` micro-batches of ``token_budget / accumulation_steps`` tokens
+  (:class:`~odb_torch.windows.AccumulationWindows`), so an update mixes groups from
+  across the length range instead of holding one length-homogeneous group per rank.
 
 The fixed batch size is ODB's expected samples per step, so all make about the same
 number of updates. Standard and Sorted use DDP's usual loss (each rank's per-token mean,
@@ -16,6 +19,7 @@ summed loss and token counts for the log, the same for every method.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -24,6 +28,7 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,6 +39,7 @@ from odb_torch.collate import pad_collate
 from odb_torch.demo.chat_data import ChatDataset
 from odb_torch.demo.model import ModelConfig, TinyCausalLM
 from odb_torch.loader import ODBDataLoader
+from odb_torch.windows import AccumulationWindows
 
 METHODS = ("standard", "sorted", "odb")
 
@@ -44,7 +50,7 @@ class RunConfig:
 
     method: str
     batch_size: int
-    token_budget: int
+    token_budget: int  # ODB: tokens per rank per update, split over accumulation_steps micro-batches
     buffer_size: int
     lr: float  # peak learning rate (see lr_at)
     model: ModelConfig
@@ -53,6 +59,7 @@ class RunConfig:
     progress: bool = True
     regroup_padding: float | None = 0.02  # ODB only (ODBConfig.regroup_padding)
     max_grad_norm: float | None = 1.0  # clip the global gradient norm before each update (None: off)
+    accumulation_steps: int = 1  # ODB only: micro-batches per update
 
 
 def shifted_loss_tokens(sample: dict[str, Any]) -> int:
@@ -101,7 +108,7 @@ def lr_at(base: float, seen: int, total: int, warmup: float = 0.1) -> float:
 def _loader(cfg: RunConfig, data: ChatDataset, rank: int, world: int, port: int) -> tuple[Any, int]:
     """The method's loader and its number of steps per rank (ODB: unknown, -1)."""
     if cfg.method == "odb":
-        odb = ODBDataLoader(data, token_budget=cfg.token_budget, collate_fn=pad_collate, buffer_size=cfg.buffer_size,
+        odb = ODBDataLoader(data, token_budget=cfg.token_budget // cfg.accumulation_steps, collate_fn=pad_collate, buffer_size=cfg.buffer_size,
                             num_workers=cfg.num_workers, seed=cfg.seed, loss_tokens_fn=shifted_loss_tokens,
                             regroup_padding=cfg.regroup_padding, init_method=f"tcp://127.0.0.1:{port + 1}")
         return odb, -1
@@ -138,6 +145,20 @@ def evaluate(model: TinyCausalLM, data: ChatDataset, rank: int, world: int) -> f
     return float(total[0]) / max(float(total[1]), 1.0)
 
 
+def _micro_batches(cfg: RunConfig, loader: Any) -> Iterator[tuple[Any, float | None, int, bool]]:
+    """(batch, loss multiplier or None for the rank's own per-token mean, local samples, last of its update).
+
+    ODB runs through :class:`~odb_torch.windows.AccumulationWindows`: its multiplier makes the
+    update the exact per-token mean over every token of the window on every rank (P7)."""
+    if cfg.method == "odb":
+        for mb in AccumulationWindows(loader, cfg.accumulation_steps):
+            local = 0 if mb.info.is_idle or mb.is_padding else mb.info.local_samples
+            yield mb.batch, mb.loss_multiplier, local, mb.last_in_window
+    else:
+        for batch in loader:
+            yield batch, None, int(batch["input_ids"].shape[0]), True
+
+
 def run_rank(rank: int, world: int, port: int, cfg: RunConfig, data: ChatDataset, out: str,
              probe: ChatDataset | None = None) -> None:
     """Train one epoch of ``data`` with ``cfg.method``; rank 0 writes the run's log to ``out``."""
@@ -151,25 +172,22 @@ def run_rank(rank: int, world: int, port: int, cfg: RunConfig, data: ChatDataset
     loader, _ = _loader(cfg, data, rank, world, port)
     log: list[dict[str, float]] = []
     seen = real = padded = 0
+    update = torch.zeros(3, dtype=torch.float64)  # this update's summed loss, loss tokens, samples (every rank)
     total_tokens = sum(data.lengths())
     try:
-        for batch in loader:
+        for batch, multiplier, local, last in _micro_batches(cfg, loader):
             ids, labels = batch["input_ids"], batch["labels"]
             for group in opt.param_groups:
                 group["lr"] = lr_at(cfg.lr, real, total_tokens)
-            loss_sum, tokens = model(ids, labels)
-            if cfg.method == "odb":
-                info = loader.step_info
-                local = 0 if info.is_idle else info.local_samples
-                # exact global per-token mean: local mean x loss_scale (P7); DDP averages over W
-                (loss_sum / float(max(info.local_tokens, 1)) * info.loss_scale).backward()
-            else:
-                local = ids.shape[0]
-                (loss_sum / float(max(tokens, 1))).backward()
-            if cfg.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            with contextlib.nullcontext() if last else model.no_sync():
+                loss_sum, tokens = model(ids, labels)
+                # ODB: exact global per-token mean (P7); the others: DDP's usual mean of per-rank means
+                (loss_sum * (multiplier if multiplier is not None else 1.0 / max(tokens, 1))).backward()
+            if last:
+                if cfg.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
             lengths = int((ids != 0).sum()) if local else 0
             stats = torch.tensor([float(loss_sum.detach()) if local else 0.0, tokens if local else 0, local,
                                   lengths, ids.numel() if local else 0], dtype=torch.float64)
@@ -177,8 +195,11 @@ def run_rank(rank: int, world: int, port: int, cfg: RunConfig, data: ChatDataset
             seen += int(stats[2])
             real += int(stats[3])
             padded += int(stats[4])
-            log.append({"samples": seen, "loss": float(stats[0]) / max(float(stats[1]), 1.0), "tokens": float(stats[1]),
-                        "step_samples": float(stats[2])})
+            update += stats[:3]
+            if last:
+                log.append({"samples": seen, "loss": float(update[0]) / max(float(update[1]), 1.0),
+                            "tokens": float(update[1]), "step_samples": float(update[2])})
+                update.zero_()
             if rank == 0 and cfg.progress:
                 _bar(cfg.method, seen, len(data), started)
     finally:
