@@ -64,7 +64,8 @@ def run_demo(quick: bool = False, results: Path = Path("results"), world: int = 
             cfg = RunConfig(method=method, batch_size=batch_size, token_budget=preset["token_budget"],
                             buffer_size=preset["buffer_size"], lr=preset["lr"], model=model, seed=seed,
                             progress=progress, regroup_padding=regroup_padding,
-                            max_grad_norm=preset["max_grad_norm"], accumulation_steps=preset["accumulation_steps"])
+                            max_grad_norm=preset["max_grad_norm"],
+                            accumulation_steps=preset["accumulation_steps"])
             out = str(Path(tmpdir, f"{method}.json"))
             start_processes(run_rank, args=(world, free_port(4), cfg, data, out, probe), nprocs=world,  # type: ignore[no-untyped-call]
                             start_method="spawn")

@@ -109,8 +109,9 @@ def _loader(cfg: RunConfig, data: ChatDataset, rank: int, world: int, port: int)
     """The method's loader and its number of steps per rank (ODB: unknown, -1)."""
     if cfg.method == "odb":
         odb = ODBDataLoader(data, token_budget=cfg.token_budget // cfg.accumulation_steps, collate_fn=pad_collate,
-                            buffer_size=cfg.buffer_size, num_workers=cfg.num_workers, seed=cfg.seed, loss_tokens_fn=shifted_loss_tokens,
-                            regroup_padding=cfg.regroup_padding, init_method=f"tcp://127.0.0.1:{port + 1}")
+                            buffer_size=cfg.buffer_size, num_workers=cfg.num_workers, seed=cfg.seed,
+                            loss_tokens_fn=shifted_loss_tokens, regroup_padding=cfg.regroup_padding,
+                            init_method=f"tcp://127.0.0.1:{port + 1}")
         return odb, -1
     if cfg.method == "sorted":
         sampler = LengthGroupedBatches(data.lengths(), cfg.batch_size, rank, world, cfg.seed)
