@@ -11,10 +11,11 @@ gradient clipping:
   (:class:`~odb_torch.windows.AccumulationWindows`), so an update mixes groups from
   across the length range instead of holding one length-homogeneous group per rank.
 
-The fixed batch size is ODB's expected samples per step, so all make about the same
+The fixed batch size is ODB's expected samples per update, so all make about the same
 number of updates. Standard and Sorted use DDP's usual loss (each rank's per-token mean,
-averaged over ranks); ODB the exact global per-token mean. Every step all-reduces the
-summed loss and token counts for the log, the same for every method.
+averaged over ranks); ODB the exact global per-token mean over the update. Every
+micro-batch all-reduces the summed loss and token counts for the log, the same for
+every method.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ import math
 import random
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from odb_torch.collate import pad_collate
 from odb_torch.demo.chat_data import ChatDataset
 from odb_torch.demo.model import ModelConfig, TinyCausalLM
 from odb_torch.loader import ODBDataLoader
+from odb_torch.losses import shifted_loss_tokens
 from odb_torch.windows import AccumulationWindows
 
 METHODS = ("standard", "sorted", "odb")
@@ -60,11 +62,6 @@ class RunConfig:
     regroup_padding: float | None = 0.02  # ODB only (ODBConfig.regroup_padding)
     max_grad_norm: float | None = 1.0  # clip the global gradient norm before each update (None: off)
     accumulation_steps: int = 1  # ODB only: micro-batches per update
-
-
-def shifted_loss_tokens(sample: dict[str, Any]) -> int:
-    """Loss tokens as the model counts them: labels after the first position != -100."""
-    return int((sample["labels"][1:] != -100).sum())
 
 
 class LengthGroupedBatches(Sampler[list[int]]):
