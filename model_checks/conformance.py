@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from model_checks.mutants import driver
 from model_checks.tla import SPEC_DIR, TlcRun, sany, tlc
 from odb_core import ODBConfig, RankProtocol
+from odb_core.epoch import EpochDriver
 from odb_core.quota import QuotaTracker
 from odb_core.sampler import permutation
 from odb_core.schedules import SCHEDULES, shard
@@ -67,7 +69,7 @@ class Scenario:
         return ODBConfig(
             token_budget=self.budget, buffer_size=self.buffer_size, depth=self.depth,
             mode="join" if self.join else "non-join", output_capacity=self.capacity or None,
-            overflow_policy=self.overflow, target_policy=self.policy, mutant=self.mutant,  # type: ignore[arg-type]
+            overflow_policy=self.overflow, target_policy=self.policy,  # type: ignore[arg-type]
             seed=self.seed, shuffle_steps=self.shuffle,
             regroup_padding=self.regroup[0] / self.regroup[1] if self.regroup[1] else None,
         )
@@ -180,43 +182,50 @@ def abstract(protos: list[RankProtocol], cursor: Cursor) -> tuple[Value, ...]:
 # ---- exhaustive enumeration of the core ------------------------------------------------
 @dataclass
 class _Node:
-    protos: list[RankProtocol]
-    cursor: Cursor
+    drivers: list[EpochDriver]
     lengths: tuple[tuple[int, ...], ...]
-    mutant: str | None = None
+
+    @property
+    def protos(self) -> list[RankProtocol]:
+        return [d.protocol for d in self.drivers if d.protocol is not None]
+
+    @property
+    def cursor(self) -> Cursor:
+        return Cursor.of(self.drivers)
 
 
 def _initial(s: Scenario) -> _Node:
-    cfg = s.config()
-    views = [list(range(len(ls))) for ls in s.lengths]
-    cursor = Cursor(None if s.join else QuotaTracker(s.quota), [()] * len(views))  # quota: N
-    cursor.done = cursor.quota is not None and cursor.quota.reached
-    return _Node([RankProtocol(cfg, r, len(views), views[r]) for r in range(len(views))], cursor, s.lengths, s.mutant)
+    """Every rank's epoch driver (the one the simulator and the collate process run) at Init."""
+    cfg, world = s.config(), len(s.lengths)
+    drivers = [driver(s.mutant)(cfg, r, world, quota=s.quota) for r in range(world)]
+    _chain(drivers, s.lengths)
+    return _Node(drivers, s.lengths)
+
+
+def _chain(drivers: list[EpochDriver], lengths: tuple[tuple[int, ...], ...]) -> None:
+    """Start the logical iteration each driver asks for, over the same views (the spec's shards)."""
+    if drivers[0].sampler_epoch is not None:
+        for d, ls in zip(drivers, lengths):
+            d.start_iteration(list(range(len(ls))))
 
 
 def _successors(node: _Node) -> Iterable[_Node]:
-    if node.cursor.done:
+    if node.drivers[0].done:
         yield node  # Terminating
         return
     for r, p in enumerate(node.protos):
         if p.next_position < len(p.views) and p.fetch_room() > 0:
             nxt = copy.deepcopy(node)
-            nxt.protos[r].fetch()
+            nxt.drivers[r].fetch()
             yield nxt
     for r, p in enumerate(node.protos):
         for pos in sorted(p.in_flight):
             nxt = copy.deepcopy(node)
-            nxt.protos[r].arrive(pos, node.lengths[r][pos])
+            nxt.drivers[r].arrive(pos, node.lengths[r][pos])
             yield nxt
     nxt = copy.deepcopy(node)
-    ended, _, _ = gather_round(nxt.protos, nxt.cursor)
-    if ended:
-        if nxt.cursor.quota is None or nxt.mutant == "no-chain":
-            nxt.cursor.done = True
-        else:  # non-join: chain the next logical iteration over the same views
-            old = nxt.protos
-            nxt.protos = [RankProtocol(p.config, p.rank, p.world, p.views, p.iteration + 1) for p in old]
-            nxt.cursor.rounds, nxt.cursor.last_out = 0, [()] * len(old)
+    gather_round(nxt.drivers)
+    _chain(nxt.drivers, nxt.lengths)  # non-join: the drivers chain the next logical iteration
     yield nxt
 
 
@@ -333,12 +342,18 @@ def compare_state_spaces(s: Scenario) -> StateSpaceResult:
 # ---- trace validation ------------------------------------------------------------------
 @dataclass
 class Trace:
-    """One recorded simulator run: its constants, states, and the grouping of each step."""
+    """One recorded run: its constants, states, and the grouping of each step
+    (:mod:`model_checks.traces` replays it, every invariant on every state)."""
 
     scenario: Scenario
     schedule: str
     states: list[tuple[Value, ...]]
     packs: list[tuple[Value, ...]]
+    actions: list[str] = field(default_factory=list)
+    """The spec action of each state (``Init``, ``Fetch``, ``Drain``, ``Gather``); empty:
+    inferred from the states (:func:`model_checks.traces.actions_of`)."""
+    complete: bool = True
+    """The run completed, so its last state must be ``done``; False for a run cut by a fault."""
 
 
 def record(s: Scenario, dataset: list[int], schedule: str) -> Trace:
@@ -352,7 +367,7 @@ def record(s: Scenario, dataset: list[int], schedule: str) -> Trace:
         packs.append(tuple(tuple(tuple(x + 1 for x in g) for g in groups) for groups in packing)
                      if packing else tuple(() for _ in protos))
 
-    simulate(dataset, len(s.lengths), s.config(), schedule, shuffle=False, tracer=tracer)
+    simulate(dataset, len(s.lengths), s.config(), schedule, shuffle=False, tracer=tracer, driver_cls=driver(s.mutant))
     return Trace(s, schedule, states, packs)
 
 
@@ -380,55 +395,19 @@ def random_scenario(rng: random.Random, seed: int, mutant: str | None = None) ->
 
 
 def trace_module(traces: list[Trace]) -> str:
-    """The TraceData module: ODB's variables, the traces (flat tuples, no @@ chains),
-    one constant-level ODB instance per trace, and the InitAt/ReplayAt dispatch."""
-    rows, defs, inits, replays = [], [], [], []
-    subst = ", ".join(f"{k} <- Traces[{{k}}].cfg.{k}" for k in Scenario("x", ()).constants())
-    for k, tr in enumerate(traces, start=1):
-        cfg = to_tla(tr.scenario.constants())
-        states = ", ".join(to_tla(dict(zip(VARIABLES, st))) for st in tr.states)
-        packs = ", ".join(to_tla(p) for p in tr.packs)
-        rows.append(f"[cfg |-> {cfg}, states |-> <<{states}>>, packs |-> <<{packs}>>]")
-        c = f"Traces[{k}].cfg"
-        defs.append(
-            f"O_{k} == INSTANCE ODB WITH {subst.replace('{k}', str(k))}\n"
-            f"Replay_{k}(P) ==\n"
-            f"    \\/ \\E r \\in 1..{c}.W : O_{k}!Fetch(r)\n"
-            f"    \\/ \\E r \\in 1..{c}.W : \\E p \\in 1..{c}.NV[r] : O_{k}!Drain(r, p)\n"
-            f"    \\/ /\\ \\A r \\in 1..{c}.W : IF O_{k}!Status(r) = \"ready\" THEN O_{k}!Admissible(r, P[r]) ELSE P[r] = <<>>\n"
-            f"       /\\ O_{k}!GatherWith(LAMBDA r : P[r], LAMBDA al, T : O_{k}!RecordedOrder(al, T))\n"
-        )
-        inits.append(f"k = {k} -> O_{k}!Init")
-        replays.append(f"k = {k} -> Replay_{k}(P)")
-    return (
-        "---- MODULE TraceData ----\nEXTENDS Naturals, Sequences\n"
-        f"VARIABLES {', '.join(VARIABLES)}\n"
-        "Traces == <<\n" + ",\n".join(rows) + "\n>>\n" + "".join(defs)
-        + "InitAt(k) == CASE " + "\n    [] ".join(inits) + "\n"
-        + "ReplayAt(k, P) == CASE " + "\n    [] ".join(replays) + "\n====\n"
-    )
+    """The TraceData module of ``traces`` (moved to :func:`model_checks.traces.trace_module`)."""
+    from model_checks import traces as tv
+
+    return tv.trace_module(traces)
 
 
 def check_traces(traces: list[Trace]) -> tuple[set[int], set[int]]:
-    """Replay traces with TLC; return (accepted, rejected) indices into ``traces``."""
-    if not traces:
-        return set(), set()
-    with tempfile.TemporaryDirectory(prefix="odb-trace-") as tmpname:
-        tmp = Path(tmpname)
-        _model_dir(tmp, {"TraceData.tla": trace_module(traces), "TraceCheck.cfg": "INIT Init\nNEXT Next\n"})
-        shutil.copy(SPEC_DIR / "TraceCheck.tla", tmp / "TraceCheck.tla")
-        sany("TraceCheck", cwd=tmp)
-        run = tlc("TraceCheck", tmp / "TraceCheck.cfg", cwd=tmp, extra=("-dump", str(tmp / "states")))
-        if run.outcome != "ok":
-            raise RuntimeError(f"TLC trace check: {run.outcome}\n{run.output[-3000:]}")
-        dump = (tmp / "states.dump").read_text()
-    ends: dict[int, set[int]] = {}
-    for block in dump.split("State ")[1:]:
-        fields = dict(re.findall(r"/\\ (t|i) = (\d+)", block))
-        ends.setdefault(int(fields["t"]) - 1, set()).add(int(fields["i"]))
-    accepted = {k for k, seen in ends.items() if len(traces[k].states) in seen and 0 not in seen}
-    rejected = {k for k in range(len(traces)) if k not in accepted}
-    return accepted, rejected
+    """Replay traces with TLC, every invariant on every state, the B(l) grouping at every
+    gather, the last state done; return (accepted, rejected) indices into ``traces``
+    (moved to :mod:`model_checks.traces`: :func:`~model_checks.traces.replay` says why)."""
+    from model_checks import traces as tv
+
+    return tv.check_traces(traces)
 
 
 #: mutants whose runs complete and can be replayed; max-groups trips the core's own

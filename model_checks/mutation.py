@@ -1,6 +1,6 @@
 """Seeded bugs in odb_core, hunted with hypothesis.
 
-Each mutant (``ODBConfig.mutant``) is the core's twin of a spec mutant
+Each mutant (:mod:`model_checks.mutants`) is the core's twin of a spec mutant
 (spec/cfg/mutant_*.cfg). A hunt searches random simulation cases for one whose
 epoch violates the property the mutant breaks; finding one means the hypothesis
 suite catches the bug.
@@ -13,9 +13,9 @@ from collections import Counter
 from hypothesis import HealthCheck, find, settings
 from hypothesis.errors import NoSuchExample
 
+from model_checks.mutants import MUTANTS, driver
 from model_checks.strategies import Case, cases
-from odb_core import ODBConfig, ODBError, RankProtocol, simulate
-from odb_core.config import MUTANTS
+from odb_core import ODBError, RankProtocol, simulate
 
 #: the property each mutant breaks, as :func:`violations` names them
 BREAKS = {
@@ -54,7 +54,8 @@ def violations(case: Case) -> set[str]:
                 found.add("P1")
 
     try:
-        result = simulate(case.lengths, case.world, case.config, case.schedule, observer=observe)
+        result = simulate(case.lengths, case.world, case.config, case.schedule, observer=observe,
+                          driver_cls=driver(case.mutant))
     except ODBError:
         return found | {"P2"}
     cfg = case.config
@@ -79,8 +80,8 @@ def violations(case: Case) -> set[str]:
 
 
 def mutated(case: Case, mutant: str) -> Case:
-    """The same case with the core's mutant flag set."""
-    return Case(case.world, case.lengths, ODBConfig(**{**case.config.model_dump(), "mutant": mutant}), case.schedule)
+    """The same case run by the mutant's driver."""
+    return Case(case.world, case.lengths, case.config, case.schedule, mutant)
 
 
 def hunt(mutant: str, max_examples: int = 2000) -> Case | None:

@@ -15,11 +15,11 @@ from model_checks import conformance
 from model_checks.mutation import hunt
 from model_checks.suites import configs, run_config
 from model_checks.tla import sany
-from odb_core.config import MUTANTS
+from model_checks.mutants import MUTANTS
 
 #: traces per TLC run (amortises the JVM start; one TraceData module each)
 TRACE_BATCH = 260
-#: which spec mutant configuration matches each core mutant flag
+#: which spec mutant configuration matches each core mutant
 SPEC_MUTANT = {m: "mutant_" + m.replace("-", "_") for m in MUTANTS}
 
 

@@ -36,10 +36,12 @@ class Case:
     lengths: list[int]
     config: ODBConfig
     schedule: str
+    mutant: str | None = None
+    """A seeded bug of :mod:`model_checks.mutants` to run instead of the real driver."""
 
     def __repr__(self) -> str:  # keep falsifying examples readable
         return (
-            f"Case(world={self.world}, n={len(self.lengths)}, schedule={self.schedule!r}, "
+            f"Case(world={self.world}, n={len(self.lengths)}, schedule={self.schedule!r}, mutant={self.mutant!r}, "
             f"config={self.config!r}, lengths[:20]={self.lengths[:20]})"
         )
 

@@ -70,19 +70,6 @@ TARGET_POLICIES: dict[str, TargetPolicy] = {
     "paper": paper_target, "all-ready": all_ready_target, "balanced": balanced_target}
 
 
-def _mutant_no_cmin(headers: Sequence[Header]) -> int:
-    """Seeded bug M1: Eq. 3 without C_min+ (breaks the capacity bound)."""
-    return paper_target([Header(h.iteration, h.round, h.status, h.groups, 0, h.samples, h.tokens) for h in headers])
-
-
-def _mutant_max_groups(headers: Sequence[Header]) -> int:
-    """Seeded bug M2: T = max G over active ranks (splits can fall short: breaks P2)."""
-    return max((h.groups for h in headers if h.status is Status.READY), default=0)
-
-
-MUTANT_TARGETS: dict[str, TargetPolicy] = {"no-cmin": _mutant_no_cmin, "max-groups": _mutant_max_groups}
-
-
 def split_to(groups: list[list[int]], target: int) -> list[list[int]]:
     """Alg. 1 split: until there are ``target`` groups, take the last sample of the last
     group holding >= 2 samples into a new singleton placed right after it.

@@ -56,7 +56,7 @@ def alone_groups(result: SimResult) -> float:
     regroup on, the protocol itself on one rank (regroup carries groups across chunks)."""
     config = result.config
     buf, budget = config.buffer_size, config.token_budget
-    alone = config.model_copy(update={"mode": "join", "mutant": None})
+    alone = config.model_copy(update={"mode": "join"})
     per_rank = [0] * result.world
     for r, steps in enumerate(result.steps):
         by_iter: dict[int, list[int]] = {}

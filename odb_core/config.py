@@ -16,8 +16,6 @@ Mode = Literal["join", "non-join"]
 LossScaling = Literal["none", "sample", "approx", "exact"]
 TargetPolicyName = Literal["paper", "all-ready", "balanced"]
 OverflowPolicyName = Literal["largest", "oldest"]
-MutantName = Literal["no-cmin", "max-groups", "drop-overflow", "early-finish", "merge-overflow", "no-chain"]
-MUTANTS: tuple[str, ...] = ("no-cmin", "max-groups", "drop-overflow", "early-finish", "merge-overflow", "no-chain")
 
 
 class ODBConfig(BaseModel):
@@ -26,9 +24,11 @@ class ODBConfig(BaseModel):
     Attributes:
         token_budget: L_max, the padded-token budget of one group (P3); >= 1.
         buffer_size: samples a rank buffers before it forms groups; >= 1.
-        depth: outstanding depth D, the bound on |Q| + |B|; defaults to
-            ``buffer_size`` and must be >= ``buffer_size`` (a smaller D can never
-            fill the buffer, and every rank would wait forever).
+        depth: outstanding depth D: a rank fetches while |Q| + |B \\ H| < D (H: the
+            samples held back to regroup), so it holds at most D samples in Q and B
+            with ``regroup_padding=None``, and at most 2D with regroup on, at most D of
+            them held back; defaults to ``buffer_size`` and must be >= ``buffer_size``
+            (a smaller D can never fill the buffer, and every rank would wait forever).
         mode: ``"join"`` drains every view before global finish (P4);
             ``"non-join"`` ends a logical iteration when any rank finishes and
             chains iterations up to the sample quota (P5).
@@ -45,14 +45,17 @@ class ODBConfig(BaseModel):
             (group holding the longest-waiting sample first; bounds waits by D rounds).
         output_capacity: output slots a rank can fill in one round (C_r); ``None``
             means unbounded.
-        regroup_padding: a rank that is not drained holds back each group of >= 2
+        regroup_padding: a rank that is not drained holds back groups of >= 2
             samples, none of them held at its last round, whose padding fraction
-            (1 - real / padded tokens) exceeds this: the group stays in the buffer and
-            regroups with the next arrivals, where lengths are denser. A round holds
-            nothing if it would hold every group; held samples do not count toward
-            ``buffer_size`` or the depth until the next emitting round (at most D more
-            samples buffered), and a rank short of T groups emits held groups before
-            it splits any. Nothing is dropped (P1) and a drained rank never holds (P6).
+            (1 - real / padded tokens) exceeds this: such a group stays in the buffer
+            and regroups with the next arrivals, where lengths are denser. A round
+            holds them in walk order only while they total at most D samples (a
+            prefix; later ones are kept), and nothing if it would hold every group;
+            held samples do not count toward ``buffer_size`` or the depth until the
+            next emitting round, so a rank holds at most 2D samples in Q and B, at
+            most D of them held back (D in all with regroup off), and a rank short
+            of T groups emits held groups before it splits any. Nothing is dropped
+            (P1) and a drained rank never holds (P6).
             ``None`` turns it off (the paper's behaviour). The default 0.02 brings the
             padding at buffer 1024 and budget 8192 under 1% on the fitted distributions
             with fewer steps (spec: ``RegroupNum / RegroupDen``, ``H``).
@@ -65,9 +68,6 @@ class ODBConfig(BaseModel):
             seeds 0-2, measured before regroup landed: mean final loss 5.656 against 5.702
             with one order for all ranks).
             The spec admits every order (``Orders`` in spec/ODB.tla).
-        mutant: a seeded bug, for mutation checks only (model_checks, tests): the
-            same bug as the spec's mutant configuration of that name. Never set it
-            in training; every mutant breaks a property (P1-P5).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -83,7 +83,6 @@ class ODBConfig(BaseModel):
     output_capacity: int | None = Field(default=None, ge=1)
     regroup_padding: float | None = Field(default=0.02, ge=0, lt=1)
     shuffle_steps: bool = True
-    mutant: MutantName | None = None
 
     @model_validator(mode="after")
     def _depth_covers_buffer(self) -> "ODBConfig":

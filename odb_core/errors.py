@@ -6,9 +6,32 @@ protocol core or the adapter raises on purpose.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+
+def _rebuild(cls: type[ODBError], args: tuple[Any, ...], state: dict[str, Any]) -> ODBError:
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, *args)
+    exc.__dict__.update(state)
+    return exc
+
 
 class ODBError(Exception):
-    """Base class of every error raised on purpose by ODB."""
+    """Base class of every error raised on purpose by ODB.
+
+    ``rank`` is the rank the error is about (``None`` when not rank-specific) and
+    ``indices`` the dataset indices involved (empty when none). Instances pickle with
+    their attributes, so the collate process sends the error object itself.
+    """
+
+    def __init__(self, message: str = "", *, rank: int | None = None, indices: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.indices = tuple(int(i) for i in indices)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
 
 
 class InvalidSampleError(ODBError, ValueError):
@@ -64,3 +87,15 @@ class LossTokenMismatchError(ODBError, ValueError):
 class CheckpointStateError(ODBError, ValueError):
     """A checkpoint lacks ODB's loader state for this rank, or holds one that does not fit
     this run (rank, world size, seed, accumulation steps); names the file."""
+
+
+class ConfigMismatchError(ODBError):
+    """Ranks disagree on the protocol configuration, the epoch or the sampler (raised on every
+    rank at the epoch's first gather, before any batch); ``field`` names what differs and
+    ``ranks`` the ranks whose value differs from this rank's."""
+
+    def __init__(self, message: str = "", *, rank: int | None = None, field: str = "",
+                 ranks: Sequence[int] = ()) -> None:
+        super().__init__(message, rank=rank)
+        self.field = field
+        self.ranks = tuple(ranks)

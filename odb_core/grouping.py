@@ -85,24 +85,32 @@ def group_buffer(lengths: Mapping[int, int], token_budget: int) -> list[list[int
 
 
 def hold_sparse(groups: list[list[int]], lengths: Mapping[int, int], fraction: Fraction,
-                exempt: Set[int]) -> tuple[list[list[int]], list[list[int]]]:
+                exempt: Set[int], limit: int) -> tuple[list[list[int]], list[list[int]]]:
     """Split a buffer's groups into ``(kept, held)`` (``ODBConfig.regroup_padding``).
 
-    A group is held if it has >= 2 samples, none of them in ``exempt`` (held at the
-    last round), and its padding fraction exceeds ``fraction``, in integers:
-    (max_len x size - sum of lengths) x den > num x max_len x size. If every group
-    would be held, none is. Both lists keep the walk's order; groups must be short
-    to long inside (their last key is the longest), as :func:`group_sorted` returns them.
+    A group is holdable if it has >= 2 samples, none of them in ``exempt`` (held at
+    the last round), and its padding fraction exceeds ``fraction``, in integers:
+    (max_len x size - sum of lengths) x den > num x max_len x size. The held groups
+    are the longest prefix of the holdable groups, in walk order, whose sizes sum to
+    at most ``limit`` samples (the protocol passes the outstanding depth D, so a rank
+    never holds more than D samples); holdable groups past that prefix are kept. If
+    every group would be held, none is. Both lists keep the walk's order; groups
+    must be short to long inside (their last key is the longest), as
+    :func:`group_sorted` returns them.
     """
     num, den = fraction.numerator, fraction.denominator
     kept: list[list[int]] = []
     held: list[list[int]] = []
+    room = limit  # samples that may still be held; -1 once the prefix has ended
     for g in groups:
-        if len(g) >= 2 and exempt.isdisjoint(g):
+        if room >= 2 and len(g) >= 2 and exempt.isdisjoint(g):
             area = lengths[g[-1]] * len(g)
-            if (area - sum(map(lengths.__getitem__, g))) * den > num * area:
-                held.append(g)
-                continue
+            if (area - sum(map(lengths.__getitem__, g))) * den > num * area:  # holdable
+                if len(g) <= room:
+                    held.append(g)
+                    room -= len(g)
+                    continue
+                room = -1  # the first holdable group past the cap ends the prefix
         kept.append(g)
     return (kept, held) if kept else (held, [])
 

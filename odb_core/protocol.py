@@ -24,12 +24,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from odb_core.alignment import MUTANT_TARGETS, TARGET_POLICIES, align
+from odb_core.alignment import TARGET_POLICIES, align
 from odb_core.config import ODBConfig
 from odb_core.errors import InvalidSampleError, PeerInconsistencyError, ProtocolStateError
 from odb_core.grouping import check_length, group_buffer, hold_sparse
 from odb_core.loss import rank_weight
 from odb_core.wire import Header, Status, decode_headers, decode_steps, encode_steps
+
+
+CHAIN_STRIDE = 1 << 20
+"""Non-join: chained iteration k of epoch e reads the sampler's permutation of epoch e + k x CHAIN_STRIDE."""
 
 
 class Phase(enum.Enum):
@@ -89,10 +93,12 @@ class RankProtocol:
         config: the shared protocol configuration.
         rank, world: this rank and the world size.
         views: this rank's sampler views (dataset identities) in sampler order.
-        iteration: logical iteration number (epoch, or chained non-join iteration).
+        iteration: logical iteration number within the epoch (chained non-join iterations).
+        epoch: the epoch (with ``iteration``, it seeds this rank's step order, P8).
     """
 
-    def __init__(self, config: ODBConfig, rank: int, world: int, views: Sequence[int], iteration: int = 0) -> None:
+    def __init__(self, config: ODBConfig, rank: int, world: int, views: Sequence[int], iteration: int = 0,
+                 epoch: int = 0) -> None:
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} outside world of size {world}")
         self.config = config
@@ -100,7 +106,8 @@ class RankProtocol:
         self.world = world
         self.views = list(views)
         self.iteration = iteration
-        self._target_policy = MUTANT_TARGETS.get(config.mutant or "", TARGET_POLICIES[config.target_policy])
+        self.epoch = epoch
+        self._target_policy = TARGET_POLICIES[config.target_policy]
         self._next = 0  # R = views[_next:]
         self._inflight: set[int] = set()  # Q
         self._length: dict[int, int] = {}  # B: pos -> realized length
@@ -227,8 +234,8 @@ class RankProtocol:
         self._require(Phase.OPEN, "begin_round")
         nbuf = len(self._length)
         drained = self._next == len(self.views) and not self._inflight
-        if drained and (not nbuf or self.config.mutant == "early-finish"):
-            status, self._groups = Status.FINISHED, []  # the early-finish mutant lies about B
+        if self._reports_finished(drained):
+            status, self._groups = Status.FINISHED, []
             nbuf = 0
         elif nbuf and (nbuf - len(self._held) >= self.config.buffer_size or drained):
             status = Status.READY
@@ -237,7 +244,8 @@ class RankProtocol:
             status, self._groups = Status.WAITING, []
         self._grouping, self._holding = self._groups, []
         if status is Status.READY and not drained and self._regroup is not None:
-            self._groups, self._holding = hold_sparse(self._groups, self._length, self._regroup, self._held)
+            self._groups, self._holding = hold_sparse(self._groups, self._length, self._regroup, self._held,
+                                                      limit=self.config.outstanding_depth)
         self._candidates = self._groups  # replaced, never mutated, by the round; copied on read
         self._header = Header(
             iteration=self.iteration,
@@ -268,7 +276,7 @@ class RankProtocol:
         if done:
             self.phase = Phase.DONE
             return Plan(target=0, done=True, step_vector=None)
-        target = self._target_policy(headers)
+        target = self._target(headers)
         if target == 0:
             self.skip_rounds += 1
             self._end_round()
@@ -282,13 +290,11 @@ class RankProtocol:
                 groups = [g for g in self._grouping if id(g) not in still]
             self._held = {p for g in holding for p in g}  # they stay in B (spec: H)
             emitted, recirculated = align(groups, target, self.config.overflow_policy, self._arrival)
-            if recirculated and self.config.mutant == "merge-overflow":
-                emitted[-1] = emitted[-1] + [p for g in recirculated for p in g]
-            self._dropped = [p for g in recirculated for p in g] if self.config.mutant == "drop-overflow" else []
+            emitted, self._dropped = self._settle_overflow(emitted, recirculated)
             if self.config.shuffle_steps and len(emitted) > 1:
                 # this rank's own order (spec: Orders); fixed before the step vectors are gathered
                 emitted = list(emitted)  # may be the candidates list itself
-                random.Random(f"odb-steps:{self.config.seed}:{self.iteration}:{self.round}:{self.rank}").shuffle(emitted)
+                random.Random(f"odb-steps:{self.config.seed}:{self._order_key}:{self.round}:{self.rank}").shuffle(emitted)
             self._pending = emitted
         else:
             self._pending = [[] for _ in range(target)]
@@ -334,12 +340,41 @@ class RankProtocol:
                 )
             )
             self._remove(group)
-        for p in self._dropped:  # the drop-overflow mutant: views vanish from B
+        for p in self._dropped:  # only a seeded bug (model_checks.mutants) drops anything
             del self._length[p], self._arrival[p], self._arrival_round[p]
             self._buffer_tokens -= self._tokens.pop(p)
         self._dropped = []
         self._end_round()
         return steps
+
+    @property
+    def _order_key(self) -> int:
+        """The sampler epoch this iteration reads (epoch + iteration x CHAIN_STRIDE): seeds the step order."""
+        return self.epoch + self.iteration * CHAIN_STRIDE
+
+    # ---- hooks (the seeded bugs of model_checks.mutants override these) -------------
+    def _reports_finished(self, drained: bool) -> bool:
+        """The header says FINISHED: R, Q and B are empty (P4 rests on this)."""
+        return drained and not self._length
+
+    def _target(self, headers: Sequence[Header]) -> int:
+        """T for this round, from every rank's header (the configured target policy)."""
+        return self._target_policy(headers)
+
+    def _settle_overflow(self, emitted: list[list[int]],
+                         recirculated: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+        """The items to emit and the positions to drop; overflow stays in B (P1), nothing is dropped."""
+        return emitted, []
+
+    @property
+    def finished_ranks(self) -> list[int]:
+        """The ranks whose header of this round said FINISHED."""
+        return [r for r, h in enumerate(self._headers) if h.status is Status.FINISHED]
+
+    @property
+    def status(self) -> Status | None:
+        """The status this rank reported in the current round's header (None before ``begin_round``)."""
+        return None if self._header is None else self._header.status
 
     # ---- helpers -------------------------------------------------------------------
     def _remove(self, group: list[int]) -> None:

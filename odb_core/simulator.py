@@ -1,8 +1,8 @@
 """W ranks in one process, with an in-memory all_gather and seeded delivery.
 
-Drives :class:`~odb_core.protocol.RankProtocol` exactly as a transport would, so
-everything checked here (P1-P8 on the core) is checked on the code the torch
-adapter runs. Deterministic for a given (lengths, world, config, schedule) (P8).
+Drives one :class:`~odb_core.epoch.EpochDriver` per rank exactly as the torch collate
+process does (the same epoch loop: chaining, quota, stall detection), so everything
+checked here (P1-P8 on the core) is checked on the code the torch adapter runs. Deterministic for a given (lengths, world, config, schedule) (P8).
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from odb_core.config import ODBConfig
-from odb_core.errors import NonJoinStalledError, ProtocolStateError
+from odb_core.epoch import Delivery, EpochDriver
+from odb_core.errors import ProtocolStateError
 from odb_core.protocol import RankProtocol, Step
 from odb_core.quota import QuotaTracker
 from odb_core.sampler import permutation
@@ -52,17 +54,22 @@ class SimResult:
 
 @dataclass
 class Cursor:
-    """Run bookkeeping beside the rank machines, as the spec tracks it (spec/README.md).
-
-    ``quota`` counts consumed global samples (non-join only); ``last_out`` holds, per
-    rank, the view positions of each item of the last gather (``()`` = idle item);
-    ``rounds`` counts emitting rounds in the logical iteration; ``done`` ends the epoch.
-    """
+    """Run bookkeeping beside the rank machines, as the spec tracks it (spec/README.md),
+    read off the drivers (every rank's agrees): ``quota`` counts consumed global samples
+    (non-join only); ``last_out`` holds, per rank, the view positions of each item of the
+    last gather (``()`` = idle item); ``rounds`` counts emitting rounds in the logical
+    iteration; ``done`` ends the epoch."""
 
     quota: QuotaTracker | None
     last_out: list[tuple[tuple[int, ...], ...]]
     rounds: int = 0
     done: bool = False
+
+    @classmethod
+    def of(cls, drivers: Sequence[EpochDriver]) -> "Cursor":
+        """The cursor of a world of drivers (rank 0's shared fields)."""
+        d = drivers[0]
+        return cls(d.quota, [x.last_out for x in drivers], d.rounds, d.done)
 
 
 Packing = list[list[list[int]]]
@@ -70,33 +77,19 @@ Packing = list[list[list[int]]]
 Tracer = Callable[[str, list[RankProtocol], Cursor, Packing], None]
 
 
-def gather_round(protos: list[RankProtocol], cursor: Cursor) -> tuple[bool, list[list[Step]], int]:
+def gather_round(drivers: Sequence[EpochDriver]) -> tuple[bool, list[list[Step]]]:
     """One atomic round for every rank: header gather, align, step gather, emit.
 
-    Returns ``(iteration_ended, consumed_steps_per_rank, consumed_global_samples)``.
-    In non-join mode the trainer consumes steps in order until the quota is reached
-    (P5); the remaining steps of that round are emitted but not consumed.
+    Returns ``(iteration_ended, delivered_steps_per_rank)``: in non-join mode the
+    drivers deliver steps in order until the quota is reached (P5).
     """
-    headers = [p.begin_round() for p in protos]
-    plans = [p.on_headers(headers) for p in protos]
-    cursor.last_out = [()] * len(protos)
-    if plans[0].done or not plans[0].target:
-        return plans[0].done, [[] for _ in protos], 0
+    headers = [d.begin_round() for d in drivers]
+    plans = [d.on_headers(headers) for d in drivers]
+    if plans[0].done or plans[0].step_vector is None:
+        return plans[0].done, [[] for _ in drivers]
     vectors = [plan.step_vector or [] for plan in plans]
-    emitted = [p.on_steps(vectors) for p in protos]
-    cursor.last_out = [tuple(s.positions for s in steps) for steps in emitted]
-    cursor.rounds += 1
-    take, consumed = plans[0].target, 0
-    if cursor.quota is not None:
-        for i, step in enumerate(emitted[0]):
-            cursor.quota.add(step.global_samples)
-            consumed += step.global_samples
-            if cursor.quota.reached:
-                take, cursor.done = i + 1, True
-                break
-    else:
-        consumed = sum(step.global_samples for step in emitted[0])
-    return False, [steps[:take] for steps in emitted], consumed
+    outs = [d.on_steps(vectors) for d in drivers]
+    return False, [[o.step for o in out if isinstance(o, Delivery)] for out in outs]
 
 
 def simulate(
@@ -109,16 +102,20 @@ def simulate(
     max_rounds: int | None = None,
     observer: Observer | None = None,
     tracer: Tracer | None = None,
+    driver_cls: type[EpochDriver] = EpochDriver,
+    events: list[list[dict[str, Any]]] | None = None,
 ) -> SimResult:
-    """Run one epoch: one logical iteration in join mode; in non-join mode, chained
-    iterations until the global emitted count reaches N = len(lengths) (P5).
+    """Run one epoch of W :class:`EpochDriver` s: one logical iteration in join mode;
+    in non-join mode, chained iterations until the global count reaches N = len(lengths) (P5).
 
     ``tokens`` are per-sample loss tokens (default: the lengths). ``max_rounds``
     bounds each logical iteration (default 4 x (largest shard + D) + 8, above the
     P6 bound); exceeding it raises :class:`ProtocolStateError`. ``observer`` is
     called with every rank's state machine after each round (tests check P1/P2
     there); ``tracer`` after every state change, labelled like the spec's actions
-    (``Init``, ``Fetch``, ``Drain``, ``Gather``), for trace validation.
+    (``Init``, ``Fetch``, ``Drain``, ``Gather``), for trace validation; ``events``,
+    if given, receives each rank's trace events (:class:`EpochDriver` ``trace``).
+    ``driver_cls`` replaces the driver (the seeded bugs of ``model_checks.mutants``).
     """
     check_schedule(schedule)
     if world < 1:
@@ -130,99 +127,92 @@ def simulate(
         raise ValueError(f"tokens has {len(toks)} entries for {n} samples")
     rng = random.Random(f"odb-schedule:{config.seed}:{schedule}")
     result = SimResult(config, world, list(lengths), schedule, [[] for _ in range(world)], [])
-    cursor = Cursor(QuotaTracker(n) if config.mode == "non-join" else None, [()] * world)
-    cursor.done = cursor.quota is not None and cursor.quota.reached
+    if events is not None:
+        events[:] = [[] for _ in range(world)]
+    drivers = [driver_cls(config, r, world, 0, quota=n, trace=None if events is None else events[r])
+               for r in range(world)]
 
-    def start(iteration: int) -> list[RankProtocol]:
-        shards = shard(permutation(n, config.seed, iteration, shuffle), world, schedule, config.seed)
-        result.shards.append(shards)
-        return [RankProtocol(config, r, world, shards[r], iteration) for r in range(world)]
+    def protos() -> list[RankProtocol]:
+        return [d.protocol for d in drivers if d.protocol is not None]
 
-    def trace(label: str, protos: list[RankProtocol], grouped: list[RankProtocol] | None = None) -> None:
+    def trace(label: str, grouped: list[RankProtocol] | None = None) -> None:
         """Report a state change; ``grouped``: the ranks whose candidate groups the gather used."""
         if tracer is not None:
-            tracer(label, protos, cursor, [p.grouping for p in grouped] if grouped else [])
+            tracer(label, protos(), Cursor.of(drivers), [p.grouping for p in grouped] if grouped else [])
 
-    iteration = 0
-    protos = start(iteration)
-    result.final_states = protos
-    trace("Init", protos)
-    while not cursor.done:
-        limit = max_rounds or 4 * (max(len(p.views) for p in protos) + config.outstanding_depth) + 8
-        consumed = _run_iteration(protos, lengths, toks, schedule, rng, result, cursor, limit, observer, trace)
-        result.max_wait_rounds = max([result.max_wait_rounds, *(p.max_wait_rounds for p in protos)])
-        if cursor.quota is not None:
-            fetched_not_emitted = sum(len(p.in_flight) + len(p.buffered) for p in protos)
-            emitted_not_consumed = sum(len(p.emitted) for p in protos) - consumed
-            result.unemitted_views += fetched_not_emitted + emitted_not_consumed
-        if cursor.done:
-            break
-        # a non-join logical iteration ended before the quota: chain the next one
-        if config.mutant == "no-chain":
-            cursor.done = True
-            trace("Gather", protos, protos)
-            break
-        if consumed == 0:
-            empty = [r for r, p in enumerate(protos) if not p.views]
-            raise NonJoinStalledError(
-                f"non-join iteration {iteration} emitted nothing before a rank finished"
-                + (f" (ranks {empty} have no views)" if empty else "")
-            )
-        iteration += 1
-        ended_protos, protos = protos, start(iteration)
-        result.final_states = protos
-        cursor.rounds, cursor.last_out = 0, [()] * world
-        trace("Gather", protos, ended_protos)
-    if cursor.quota is not None:
-        result.quota_emitted, result.max_step_samples = cursor.quota.emitted, cursor.quota.max_step
+    _start_iterations(drivers, n, shuffle, schedule, result)
+    trace("Init")
+    while not drivers[0].done:
+        ps = protos()
+        limit = max_rounds or 4 * (max(len(p.views) for p in ps) + config.outstanding_depth) + 8
+        _run_iteration(drivers, lengths, toks, schedule, rng, result, limit, observer, trace)
+        result.max_wait_rounds = max([result.max_wait_rounds, *(p.max_wait_rounds for p in ps)])
+        if drivers[0].quota is not None:
+            delivered = [sum(len(s.positions) for s in steps if s.iteration == ps[0].iteration)
+                         for steps in result.steps]
+            result.unemitted_views += sum(len(p.in_flight) + len(p.buffered) + len(p.emitted) - k
+                                          for p, k in zip(ps, delivered))
+        if not drivers[0].done:  # a non-join logical iteration ended before the quota: chain the next
+            _start_iterations(drivers, n, shuffle, schedule, result)
+        result.final_states = protos()
+        trace("Gather", ps)
+    quota = drivers[0].quota
+    if quota is not None:
+        result.quota_emitted, result.max_step_samples = quota.emitted, quota.max_step
     result.seconds = time.perf_counter() - started
     return result
 
 
+def _start_iterations(drivers: list[EpochDriver], n: int, shuffle: bool, schedule: str, result: SimResult) -> None:
+    """Every driver starts its next logical iteration over its shard of the sampler epoch it names."""
+    epoch = drivers[0].sampler_epoch
+    shards = shard(permutation(n, drivers[0].config.seed, epoch or 0, shuffle), len(drivers), schedule,
+                   drivers[0].config.seed)
+    result.shards.append(shards)
+    if epoch is not None:  # None: a quota of 0 ends the epoch before it starts
+        for d, views in zip(drivers, shards):
+            d.start_iteration(views)
+
+
 def _run_iteration(
-    protos: list[RankProtocol],
+    drivers: list[EpochDriver],
     lengths: Sequence[int],
     tokens: Sequence[int],
     schedule: str,
     rng: random.Random,
     result: SimResult,
-    cursor: Cursor,
     limit: int,
     observer: Observer | None,
-    trace: Callable[[str, list[RankProtocol], list[RankProtocol] | None], None],
-) -> int:
-    """Rounds until the logical iteration ends or the quota is reached; returns the
-    global samples consumed. The ending gather of a non-join iteration is traced by
-    the caller, after it chains the next iteration (one spec step)."""
-    world = len(protos)
+    trace: Callable[[str, list[RankProtocol] | None], None],
+) -> None:
+    """Rounds until the logical iteration ends or the quota is reached. The gather that
+    ends the iteration is traced by the caller, after it chains the next one (one spec step)."""
+    world = len(drivers)
     pipelines: list[list[int]] = [[] for _ in range(world)]
-    consumed = 0
+    protos = [d.protocol for d in drivers if d.protocol is not None]
     for _ in range(limit):
         result.rounds += 1
-        for r, proto in enumerate(protos):
-            fetched = proto.fetch()
+        for r, d in enumerate(drivers):
+            fetched = d.fetch()
             if fetched:
                 pipelines[r].extend(fetched)
-                trace("Fetch", protos, None)
+                trace("Fetch", None)
             for pos in deliver(schedule, r, world, pipelines[r], rng):
-                ident = proto.views[pos]
-                proto.arrive(pos, lengths[ident], tokens[ident])
-                trace("Drain", protos, None)
-        ended, steps, got = gather_round(protos, cursor)
-        consumed += got
-        result.payload_bytes += payload_bytes(len(cursor.last_out[0]) if cursor.last_out else 0)
+                ident = d.views[pos]
+                d.arrive(pos, lengths[ident], tokens[ident])
+                trace("Drain", None)
+        ended, steps = gather_round(drivers)
+        target = len(drivers[0].last_out)
+        result.payload_bytes += payload_bytes(target)
         if observer is not None:
             observer(protos)
         if ended:
-            if cursor.quota is None:
-                cursor.done = True
-                trace("Gather", protos, protos)
-            return consumed
-        trace("Gather", protos, protos)
-        if not cursor.last_out[0]:  # T = 0
-            result.skip_rounds += 1
+            return
         for r in range(world):
             result.steps[r].extend(steps[r])
-        if cursor.done:
-            return consumed
+        if drivers[0].done:
+            return
+        trace("Gather", protos)
+        if not target:
+            result.skip_rounds += 1
     raise ProtocolStateError(f"logical iteration exceeded {limit} rounds without terminating (P6)")

@@ -1,38 +1,46 @@
-"""The per-rank collate process: drives :class:`odb_core.RankProtocol` over a Gloo group.
+"""The per-rank collate process: thin I/O around :class:`odb_core.epoch.EpochDriver`.
 
-It owns a Gloo process group of its own (its own TCPStore and ProcessGroupGloo, never
-the default group, so it is isolated from the trainer's NCCL or Gloo group),
-a plain :class:`torch.utils.data.DataLoader` whose workers load, measure and pack
-chunks of consecutive sampler views (:mod:`odb_torch.transport`), and the user's
-``collate_fn``. Batches and their :class:`StepInfo` go
-to the trainer process through a bounded queue; errors go the same way as a typed
-record, so the trainer raises instead of hanging.
+Every protocol decision of an epoch (the handshake, chaining, the quota, stall
+detection, the ``skip_idle`` end, the resume skip, the step order) is the driver's;
+:class:`CollateServer` only moves data: it loads the positions the driver asks for
+through a plain :class:`torch.utils.data.DataLoader` (workers load, measure and pack
+chunks of consecutive views, :mod:`odb_torch.transport`), gathers the driver's vectors
+over a Gloo group of its own (its own TCPStore and ProcessGroupGloo, never the default
+group, so it is isolated from the trainer's NCCL or Gloo group), runs the user's
+``collate_fn`` and puts :mod:`odb_torch.messages` on a bounded queue to the trainer.
+Errors travel the same way, as the exception objects, so the trainer raises instead of
+hanging. With ``ODB_TRACE_DIR`` set, each rank appends the driver's trace events to
+``<dir>/<run>-rank<r>.jsonl`` (``model_checks.traces`` replays them with TLC).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import traceback
-from urllib.parse import urlparse
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 from torch.distributed import ProcessGroupGloo, TCPStore  # type: ignore[attr-defined]  # public, documented API
 from torch.utils.data import DataLoader, Dataset
 
-from odb_core import ODBConfig, ODBError, RankProtocol
-from odb_core.quota import QuotaTracker
-from odb_core.errors import CollateFnError, InvalidSampleError, NonJoinStalledError, PeerError, SampleLoadError
+from odb_core import ODBConfig, ODBError
+from odb_core.epoch import Delivery, EpochDriver, LoopEnd
+from odb_core.errors import CollateFnError, CollateProcessError, InvalidSampleError, PeerError, SampleLoadError
+from odb_torch.messages import Batch, EpochEnd, Failure, StartEpoch, Stop
 from odb_torch.step_info import StepInfo
 from odb_torch.transport import IndexedDataset, Packer, unpack
 
-
 MAX_CHUNK = 64
 """At most this many consecutive sampler views are loaded and shipped as one packed chunk."""
+TRACE_ENV = "ODB_TRACE_DIR"
+"""Set to a directory to trace every rank's protocol events there (off by default)."""
 
 
 def chunk_size(config: ODBConfig, num_workers: int) -> int:
@@ -58,37 +66,11 @@ class CollateSpec:
     prefetch_factor: int | None
     worker_start_method: str | None
     skip_idle: bool = False
+    driver_cls: type[EpochDriver] = EpochDriver
 
 
 class _ParentGone(Exception):
     """The trainer process is gone, or told us to stop mid-epoch: exit quietly."""
-
-
-def _put(out: Any, item: Any, parent: int, ctrl: Any = None) -> None:
-    """Put ``item`` on the bounded output queue, giving up if the trainer is gone or says stop."""
-    while True:
-        try:
-            out.put(item, timeout=0.2)
-            return
-        except queue.Full:
-            if os.getppid() != parent:
-                raise _ParentGone from None
-            if ctrl is not None:
-                try:
-                    if ctrl.get_nowait()[0] == "stop":
-                        raise _ParentGone from None
-                except queue.Empty:
-                    pass
-
-
-def _await_stop(ctrl: Any, parent: int) -> None:
-    while True:
-        try:
-            if ctrl.get(timeout=1.0)[0] == "stop":
-                return
-        except queue.Empty:
-            if os.getppid() != parent:
-                return
 
 
 class _ViewDataset(Dataset):  # type: ignore[type-arg]
@@ -104,18 +86,8 @@ class _ViewDataset(Dataset):  # type: ignore[type-arg]
         return self.views[pos], self.dataset[self.views[pos]]
 
 
-def _views(spec: CollateSpec, sampler: Any, epoch: int) -> list[int]:
-    if hasattr(sampler, "set_epoch"):
-        sampler.set_epoch(epoch)
-    return [int(i) for i in sampler]
-
-
 def _collate_group(spec: CollateSpec) -> tuple[Any, Any]:
-    """The collate group: its own TCPStore and ProcessGroupGloo, never the default group.
-
-    So it is isolated from the trainer's group under every start method (under fork
-    the child inherits the trainer's default group, which it must not touch).
-    """
+    """The collate group: its own TCPStore and ProcessGroupGloo, never the default group."""
     url = urlparse(spec.init_method)
     if url.scheme != "tcp" or url.hostname is None or url.port is None:
         raise ValueError(f"init_method must be tcp://host:port, got {spec.init_method!r}")
@@ -124,190 +96,227 @@ def _collate_group(spec: CollateSpec) -> tuple[Any, Any]:
     return store, ProcessGroupGloo(store, spec.rank, spec.world, timeout)
 
 
-def _all_gather(pg: Any, values: list[int], world: int, what: str, rank: int) -> list[list[int]]:
-    mine = torch.tensor(values, dtype=torch.int64)
-    out = [torch.empty_like(mine) for _ in range(world)]
-    try:
-        pg.allgather([out], [mine]).wait()
-    except Exception as exc:  # gloo raises RuntimeError subclasses on peer death and timeouts
-        raise PeerError(f"rank {rank}: the {what} all_gather of the collate group failed "
-                        f"(a peer rank died or exceeded the timeout): {exc}") from None
-    return [t.tolist() for t in out]
+def sampler_facts(sampler: Any, dataset: Any) -> dict[str, object]:
+    """What every rank's sampler and dataset must agree on (compared by the handshake)."""
+    return {"dataset_size": len(dataset), "sampler": type(sampler).__name__,
+            "sampler_seed": getattr(sampler, "seed", None), "sampler_shuffle": getattr(sampler, "shuffle", None),
+            "sampler_replicas": getattr(sampler, "num_replicas", None)}
 
 
-CHAIN_STRIDE = 1 << 20
-"""Non-join: chained iteration k of epoch e reads the sampler's permutation of epoch e + k x CHAIN_STRIDE."""
+class CollateServer:
+    """One rank's collate process: serves epochs until told to stop (or the trainer is gone)."""
 
+    def __init__(self, spec: CollateSpec, sampler: Any, ctrl: Any, out: Any) -> None:
+        self.spec, self.sampler, self.ctrl, self.out = spec, sampler, ctrl, out
+        self.parent = os.getppid()
+        self.pg: Any = None
+        self.trace_dir = os.environ.get(TRACE_ENV) or None
+        self._trace_file: Any = None
+        self._ahead: dict[int, tuple[Any, tuple[int, int]]] = {}  # loaded, not yet fetched (still in R)
+        self._template: Any = None  # a sample of this rank, collated for idle items
 
-def run_epoch(
-    spec: CollateSpec, pg: Any, sampler: Any, epoch: int, out: Any, parent: int, ctrl: Any,
-    skip: frozenset[int] = frozenset(), first_step: int = 0,
-) -> bool:
-    """One epoch of the protocol; puts ("step", batch, StepInfo, positions) items on ``out``.
-    Returns True if it already put the epoch's ("end", epoch) (see :func:`_run_iteration`).
+    # ---- the process ------------------------------------------------------------------
+    def serve(self) -> None:
+        """Join the collate group, then run each :class:`StartEpoch` until :class:`Stop`."""
+        spec = self.spec
+        try:
+            store, self.pg = _collate_group(spec)
+        except Exception as exc:
+            self.out.put(Failure(PeerError(f"rank {spec.rank}: collate group rendezvous at {spec.init_method} "
+                                           f"failed: {type(exc).__name__}: {exc}", rank=spec.rank)))
+            return
+        try:
+            while (cmd := self._next_command()) is not None:
+                self.run_epoch(cmd)
+        except _ParentGone:
+            pass
+        except BaseException as exc:  # anything reaches the trainer, typed
+            self._fail(exc)
+        finally:
+            self._close_trace()
+            self.pg = store = None
 
-    Join mode: one logical iteration over this rank's sampler views (P4). ``skip``
-    holds the sampler positions already consumed before a restart: they are left out,
-    so a resumed epoch emits exactly the rest (nothing lost, nothing twice).
+    def _next_command(self) -> StartEpoch | None:
+        while True:
+            try:
+                cmd = self.ctrl.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != self.parent:
+                    return None
+                continue
+            return None if isinstance(cmd, Stop) else cmd
 
-    Non-join mode: a logical iteration ends as soon as any rank finishes; iterations
-    are chained (each over a fresh permutation, see CHAIN_STRIDE) and the epoch ends at
-    the first step whose cumulative global sample count reaches N = len(dataset), on
-    every rank at the same step (P5, P2). Samples fetched but not emitted when an
-    iteration ends are not yielded; that is non-join's contract.
-    """
-    if spec.config.mode == "join":
-        order = _views(spec, sampler, epoch)
-        kept = [pos for pos in range(len(order)) if pos not in skip]
-        return _run_iteration(spec, pg, [order[pos] for pos in kept], kept, epoch, epoch, out, parent, ctrl,
-                              first_step, None) < 0
-    quota = QuotaTracker(len(spec.dataset))  # type: ignore[arg-type]
-    step, k = first_step, 0
-    while not quota.reached:
-        order = _views(spec, sampler, epoch + k * CHAIN_STRIDE)
-        before = quota.emitted
-        step = _run_iteration(spec, pg, order, list(range(len(order))), epoch, epoch + k * CHAIN_STRIDE, out, parent,
-                              ctrl, step, quota)
-        if not quota.reached and quota.emitted == before:
-            raise NonJoinStalledError(f"rank {spec.rank}: non-join iteration {k} of epoch {epoch} emitted nothing "
-                                      "before a rank finished (a rank has no data?)")
-        k += 1
-    return False
+    def _fail(self, exc: BaseException) -> None:
+        error = exc if isinstance(exc, ODBError) else CollateProcessError(
+            f"rank {self.spec.rank}: collate process crashed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}",
+            rank=self.spec.rank)
+        try:
+            self._put(Failure(error), watch_ctrl=False)
+            # Batches already queued share their tensors through this process: stay
+            # until the trainer has read the error and says stop (or is gone).
+            while self._next_command() is not None:
+                pass
+        except _ParentGone:
+            pass
 
+    # ---- one epoch --------------------------------------------------------------------
+    def run_epoch(self, cmd: StartEpoch) -> None:
+        """Drive one epoch of the core's driver; every decision is the driver's."""
+        spec = self.spec
+        driver = spec.driver_cls(spec.config, spec.rank, spec.world, cmd.epoch, quota=len(spec.dataset),  # type: ignore[arg-type]
+                                 skip=cmd.skip, first_step=cmd.first_step, skip_idle=spec.skip_idle,
+                                 trace=[] if self.trace_dir else None)
+        self._open_trace(cmd)
+        try:
+            facts = {**sampler_facts(self.sampler, spec.dataset), "first_step": cmd.first_step}
+            driver.check_hello(self._gather(driver.hello(facts), "handshake"))
+            ended = self._rounds(driver)
+        finally:
+            self._flush_trace(driver)
+        if not ended:
+            self._put(EpochEnd(cmd.epoch))
 
-def _run_iteration(
-    spec: CollateSpec, pg: Any, views: list[int], kept: list[int], epoch: int, iteration: int, out: Any,
-    parent: int, ctrl: Any, step: int, quota: QuotaTracker | None,
-) -> int:
-    """One logical iteration over ``views``; returns the next step number. With a quota
-    (non-join), stops right after the step that reaches it.
+    def _rounds(self, driver: EpochDriver) -> bool:
+        """The epoch's rounds; True if this rank's loop already got its :class:`EpochEnd`."""
+        ended = False
+        loads: Iterator[list[tuple[int, Any, tuple[int, int]]]] = iter(())
+        samples: dict[int, Any] = {}  # B: position -> sample
+        while not driver.done:
+            if (epoch := driver.sampler_epoch) is not None:
+                if hasattr(self.sampler, "set_epoch"):
+                    self.sampler.set_epoch(epoch)
+                driver.start_iteration([int(i) for i in self.sampler])
+                loads, samples, self._ahead, self._template = self._loads(driver.views), {}, {}, None
+                continue
+            self._fill(driver, loads, samples)
+            plan = driver.on_headers(self._gather(driver.begin_round(), "header"))
+            if plan.step_vector is not None:
+                for item in driver.on_steps(self._gather(plan.step_vector, "step")):
+                    ended = self._deliver(driver, item, samples) or ended
+            self._flush_trace(driver)
+        return ended
 
-    Join mode with ``skip_idle``: once this rank is finished (R, Q, B empty), every later
-    item of the iteration is idle, so it puts ("end", epoch) at once and keeps taking
-    part in the rounds without putting anything, returning -1: the trainer's loop ends
-    and it can join (torch ``Join``) instead of waiting in a collective for peers whose
-    batches cannot come while its own loop waits for the epoch's end."""
-    proto = RankProtocol(spec.config, spec.rank, spec.world, views, iteration=iteration)
-    size = chunk_size(spec.config, spec.num_workers)
-    chunks = [list(range(k, min(k + size, len(views)))) for k in range(0, len(views), size)]
-    loader = DataLoader(
-        _ViewDataset(IndexedDataset(spec.dataset, spec.rank), views), batch_sampler=chunks,
-        collate_fn=Packer(spec.rank, spec.length_fn, spec.loss_tokens_fn),
-        num_workers=spec.num_workers,
-        prefetch_factor=spec.prefetch_factor if spec.num_workers else None,
-        multiprocessing_context=spec.worker_start_method if spec.num_workers else None,
-    )
-    it = iter(loader)
-    samples: dict[int, Any] = {}  # B: position -> sample
-    held: dict[int, tuple[Any, tuple[int, int]]] = {}  # loaded ahead of the core's fetch (still in R)
-    received = 0
-    template: Any = None
-    ended = False  # ("end", epoch) already put (join mode, skip_idle, this rank finished)
+    def _fill(self, driver: EpochDriver, loads: Iterator[list[tuple[int, Any, tuple[int, int]]]],
+              samples: dict[int, Any]) -> None:
+        """Fetch what the driver allows and hand it every loaded sample it fetched, loading
+        more while it needs arrivals. ``loads`` yields views in position order, so samples
+        loaded ahead of the fetch wait in ``self._ahead`` (still in R for the driver)."""
+        while True:
+            driver.fetch()
+            head = driver.protocol.next_position if driver.protocol is not None else 0
+            for pos in sorted(p for p in self._ahead if p < head):
+                sample, (length, tokens) = self._ahead.pop(pos)
+                driver.arrive(pos, length, tokens)
+                samples[pos] = sample
+                if self._template is None:
+                    self._template = sample
+            if not driver.needs_arrivals():
+                return
+            chunk = next(loads, None)
+            if chunk is None:
+                raise CollateProcessError(f"rank {self.spec.rank}: the data loader ended before every "
+                                          "fetched view arrived", rank=self.spec.rank)
+            for pos, sample, measure in chunk:
+                self._ahead[pos] = (sample, measure)
 
-    def admit() -> None:
-        """Fetch what the depth allows, then hand the core every loaded sample now in Q."""
-        nonlocal template
-        proto.fetch()
-        for pos in sorted(p for p in held if p < proto.next_position):
-            sample, (length, tokens) = held.pop(pos)
-            proto.arrive(pos, length, tokens)
-            samples[pos] = sample
-            template = sample if template is None else template
-
-    while True:
-        admit()
-        # after admit(), every held sample lies beyond R's head: received < next_position
-        # means some fetched view has not arrived yet
-        while proto.buffer_fill < spec.config.buffer_size and received < proto.next_position:
+    def _loads(self, views: list[int]) -> Iterator[list[tuple[int, Any, tuple[int, int]]]]:
+        """Chunks of loaded (position, sample, (length, tokens)), in position order."""
+        spec = self.spec
+        size = chunk_size(spec.config, spec.num_workers)
+        chunks = [list(range(k, min(k + size, len(views)))) for k in range(0, len(views), size)]
+        loader = DataLoader(
+            _ViewDataset(IndexedDataset(spec.dataset, spec.rank), views), batch_sampler=chunks,
+            collate_fn=Packer(spec.rank, spec.length_fn, spec.loss_tokens_fn), num_workers=spec.num_workers,
+            prefetch_factor=spec.prefetch_factor if spec.num_workers else None,
+            multiprocessing_context=spec.worker_start_method if spec.num_workers else None,
+        )
+        it = iter(loader)
+        for chunk in chunks:
             try:
                 packed = next(it)
             except (SampleLoadError, InvalidSampleError):
                 raise
             except Exception as exc:
-                raise SampleLoadError(f"rank {spec.rank}: loading dataset indices {views[received:received + size]} "
-                                      f"failed: {type(exc).__name__}: {exc}") from None
+                indices = [views[p] for p in chunk]
+                raise SampleLoadError(f"rank {spec.rank}: loading dataset indices {indices} failed: "
+                                      f"{type(exc).__name__}: {exc}", rank=spec.rank, indices=indices) from None
             assert packed.measures is not None
-            for sample, measure in zip(unpack(packed), packed.measures):
-                held[received] = (sample, measure)
-                received += 1
-            admit()
-        plan = proto.on_headers(_all_gather(pg, proto.begin_round(), spec.world, "header", spec.rank))
-        if plan.done:
-            return -1 if ended else step
-        if plan.step_vector is None:
-            continue
-        steps = proto.on_steps(_all_gather(pg, plan.step_vector, spec.world, "step", spec.rank))
-        for s in steps:
-            if ended:  # only idle items are left for this rank: nothing to deliver
-                continue
-            if s.is_idle:
-                if template is None:
-                    template = spec.dataset[0]
-                group = [template]
-            else:
-                group = [samples.pop(p) for p in s.positions]
+            yield list(zip(chunk, unpack(packed), packed.measures))
+
+    def _deliver(self, driver: EpochDriver, item: Delivery | LoopEnd, samples: dict[int, Any]) -> bool:
+        """Collate one delivery and put it for the trainer; True for the loop's end."""
+        spec = self.spec
+        if isinstance(item, LoopEnd):
+            self._put(EpochEnd(driver.epoch))
+            return True
+        s = item.step
+        if s.is_idle:
+            if self._template is None:
+                self._template = spec.dataset[0]
+            group = [self._template]
+        else:
+            group = [samples.pop(p) for p in s.positions]
+        try:
+            batch = spec.collate_fn(group)
+        except Exception as exc:
+            raise CollateFnError(f"rank {spec.rank}: collate_fn failed on dataset indices {list(s.identities)}: "
+                                 f"{type(exc).__name__}: {exc}", rank=spec.rank, indices=s.identities) from None
+        info = StepInfo(
+            epoch=driver.epoch, step=item.number, round=s.round, is_idle=s.is_idle, local_samples=s.local_samples,
+            global_samples=s.global_samples, local_tokens=s.local_tokens, global_tokens=s.global_tokens,
+            loss_scale=s.loss_scale, weight_num=s.weight.numerator, weight_den=s.weight.denominator,
+            over_budget=s.over_budget, indices=s.identities,
+        )
+        self._put(Batch(batch, info, item.sampler_positions))
+        return False
+
+    # ---- I/O helpers ------------------------------------------------------------------
+    def _gather(self, values: list[int], what: str) -> list[list[int]]:
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = [torch.empty_like(mine) for _ in range(self.spec.world)]
+        try:
+            self.pg.allgather([out], [mine]).wait()
+        except Exception as exc:  # gloo raises RuntimeError subclasses on peer death and timeouts
+            raise PeerError(f"rank {self.spec.rank}: the {what} all_gather of the collate group failed "
+                            f"(a peer rank died or exceeded the timeout): {exc}", rank=self.spec.rank) from None
+        return [t.tolist() for t in out]
+
+    def _put(self, item: Any, watch_ctrl: bool = True) -> None:
+        """Put ``item`` on the bounded output queue, giving up if the trainer is gone or says stop."""
+        while True:
             try:
-                batch = spec.collate_fn(group)
-            except Exception as exc:
-                raise CollateFnError(f"rank {spec.rank}: collate_fn failed on dataset indices "
-                                     f"{list(s.identities)}: {type(exc).__name__}: {exc}") from None
-            info = StepInfo(
-                epoch=epoch, step=step, round=s.round, is_idle=s.is_idle, local_samples=s.local_samples,
-                global_samples=s.global_samples, local_tokens=s.local_tokens, global_tokens=s.global_tokens,
-                loss_scale=s.loss_scale, weight_num=s.weight.numerator, weight_den=s.weight.denominator,
-                over_budget=s.over_budget, indices=s.identities,
-            )
-            _put(out, ("step", batch, info, tuple(kept[p] for p in s.positions)), parent, ctrl)
-            step += 1
-            if quota is not None:
-                quota.add(s.global_samples)
-                if quota.reached:
-                    return step
-        if quota is None and spec.skip_idle and proto.finished and not ended:
-            _put(out, ("end", epoch), parent, ctrl)
-            ended = True
+                self.out.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                if os.getppid() != self.parent:
+                    raise _ParentGone from None
+                if watch_ctrl:
+                    try:
+                        if isinstance(self.ctrl.get_nowait(), Stop):
+                            raise _ParentGone from None
+                    except queue.Empty:
+                        pass
+
+    def _open_trace(self, cmd: StartEpoch) -> None:
+        if self.trace_dir is None:
+            return
+        self._close_trace()
+        run = f"{urlparse(self.spec.init_method).port}-{cmd.serial}"
+        self._trace_file = open(Path(self.trace_dir) / f"{run}-rank{self.spec.rank}.jsonl", "w")
+
+    def _flush_trace(self, driver: EpochDriver) -> None:
+        if self._trace_file is None or not driver.trace:
+            return
+        self._trace_file.write("".join(json.dumps(ev) + "\n" for ev in driver.trace))
+        self._trace_file.flush()
+        driver.trace.clear()
+
+    def _close_trace(self) -> None:
+        if self._trace_file is not None:
+            self._trace_file.close()
+            self._trace_file = None
 
 
 def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any) -> None:
-    """Process entry point: join the collate group, then serve epochs until told to stop.
-
-    Exits when told to stop, on any error (after reporting it on ``out``), or when
-    its parent (the trainer process) is gone.
-    """
-    parent = os.getppid()
-    try:
-        store, pg = _collate_group(spec)
-    except Exception as exc:
-        out.put(("error", "PeerError", f"rank {spec.rank}: collate group rendezvous at {spec.init_method} "
-                 f"failed: {type(exc).__name__}: {exc}"))
-        return
-    try:
-        while True:
-            try:
-                cmd = ctrl.get(timeout=1.0)
-            except queue.Empty:
-                if os.getppid() != parent:
-                    break
-                continue
-            if cmd[0] == "stop":
-                break
-            _, epoch, skip, first_step = cmd
-            if not run_epoch(spec, pg, sampler, epoch, out, parent, ctrl, frozenset(skip), first_step):
-                _put(out, ("end", epoch), parent, ctrl)
-    except _ParentGone:
-        pass
-    except BaseException as exc:  # anything reaches the trainer, typed
-        if isinstance(exc, ODBError):
-            record = ("error", type(exc).__name__, str(exc))
-        else:
-            record = ("error", "CollateProcessError",
-                      f"rank {spec.rank}: collate process crashed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-        try:
-            _put(out, record, parent)
-            # Batches already queued share their tensors through this process: stay
-            # until the trainer has read the error and says stop (or is gone).
-            _await_stop(ctrl, parent)
-        except _ParentGone:
-            pass
-    finally:
-        del pg, store
+    """Process entry point: serve epochs until told to stop (:class:`CollateServer`)."""
+    CollateServer(spec, sampler, ctrl, out).serve()

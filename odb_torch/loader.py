@@ -14,9 +14,10 @@ import torch.multiprocessing as tmp
 from torch.utils.data import Dataset, DistributedSampler, default_collate
 
 from odb_core import ODBConfig
-from odb_core import errors as odb_errors
+from odb_core.epoch import EpochDriver
 from odb_core.errors import CollateProcessError, PeerError
 from odb_torch.collate_process import CollateSpec, collate_main
+from odb_torch.messages import Batch, EpochEnd, Failure, StartEpoch, Stop
 from odb_torch.ports import free_port
 from odb_torch.step_info import StepInfo
 
@@ -72,6 +73,9 @@ class ODBDataLoader:
             and re-pickling the dataset per worker; else ``spawn``).
         rank, world_size: default from the initialised process group, else env.
     """
+
+    driver_cls: type[EpochDriver] = EpochDriver
+    """The core's epoch driver the collate process runs (checks subclass the loader to seed bugs)."""
 
     def __init__(
         self,
@@ -136,7 +140,7 @@ class ODBDataLoader:
             loss_tokens_fn=loss_tokens_fn, config=self.config, rank=rank, world=world_size,
             init_method=init_method, timeout=timeout, num_workers=num_workers,
             prefetch_factor=prefetch_factor,
-            skip_idle=skip_idle,
+            skip_idle=skip_idle, driver_cls=self.driver_cls,
             worker_start_method=worker_start_method or ("fork" if "fork" in tmp.get_all_start_methods() else "spawn"),
         )
         self.skip_idle = skip_idle
@@ -153,7 +157,8 @@ class ODBDataLoader:
         # (positions, steps) each recent yield added to _consumed/_steps, for state_dict(unconsumed=k)
         self._recent: deque[tuple[int, int]] = deque(maxlen=64)
         self._resume: tuple[int, list[int], int] | None = None
-        self._epoch_open = False  # an iteration started and has not reached its "end" record
+        self._epoch_open = False  # an iteration started and has not reached its EpochEnd
+        self._serial = 0  # epochs started by this loader (the same on every rank: names trace files)
 
     @property
     def step_info(self) -> StepInfo:
@@ -223,7 +228,8 @@ class ODBDataLoader:
         self._consumed, self._steps = list(skip), first_step
         self._recent.clear()
         pending = (0, 0)  # positions and steps of skipped idle steps, charged to the next yield
-        self._ctrl.put(("epoch", epoch, skip, first_step))
+        self._ctrl.put(StartEpoch(epoch, tuple(skip), first_step, self._serial))
+        self._serial += 1
         self._epoch_open = True
         last = time.monotonic()
         while True:
@@ -243,13 +249,13 @@ class ODBDataLoader:
                                          "(a peer rank is stalled or gone)"))
                 continue
             last = time.monotonic()
-            kind = item[0]
-            if kind == "end":
+            if isinstance(item, EpochEnd):
                 self._epoch_open = False
                 return
-            if kind == "error":
-                self._fail(getattr(odb_errors, item[1], CollateProcessError)(item[2]))
-            _, batch, info, positions = item
+            if isinstance(item, Failure):
+                self._fail(item.error)
+            assert isinstance(item, Batch), f"unexpected message {item!r}"
+            batch, info, positions = item.batch, item.info, item.positions
             self._consumed.extend(positions)
             self._steps += 1
             pending = (pending[0] + len(positions), pending[1] + 1)
@@ -272,7 +278,7 @@ class ODBDataLoader:
             return
         if proc.is_alive():
             try:
-                self._ctrl.put(("stop",))
+                self._ctrl.put(Stop())
             except Exception:
                 pass
             proc.join(timeout)

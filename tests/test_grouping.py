@@ -93,9 +93,32 @@ def test_hold_sparse_holds_padded_groups_only_and_never_all():
 
     lengths = {0: 10, 1: 10, 2: 5, 3: 10, 4: 100, 5: 6, 6: 12}
     groups = [[0, 1], [2, 3], [4], [5, 6]]  # padding 0, 25%, 0 (singleton), 25%
-    kept, held = hold_sparse(groups, lengths, Fraction(1, 50), set())
+    kept, held = hold_sparse(groups, lengths, Fraction(1, 50), set(), limit=8)
     assert (kept, held) == ([[0, 1], [4]], [[2, 3], [5, 6]])
-    kept, held = hold_sparse(groups, lengths, Fraction(1, 50), {6})
+    kept, held = hold_sparse(groups, lengths, Fraction(1, 50), {6}, limit=8)
     assert (kept, held) == ([[0, 1], [4], [5, 6]], [[2, 3]])
-    assert hold_sparse(groups, lengths, Fraction(1, 4), set()) == (groups, [])  # 25% is not above 25%
-    assert hold_sparse([[2, 3], [5, 6]], lengths, Fraction(1, 50), set()) == ([[2, 3], [5, 6]], [])
+    assert hold_sparse(groups, lengths, Fraction(1, 4), set(), limit=8) == (groups, [])  # 25% is not above 25%
+    assert hold_sparse([[2, 3], [5, 6]], lengths, Fraction(1, 50), set(), limit=8) == ([[2, 3], [5, 6]], [])
+
+
+def test_hold_sparse_holds_at_most_limit_samples_a_prefix_in_walk_order():
+    """The held groups are the longest prefix of the holdable ones (walk order) of at most
+    ``limit`` samples; holdable groups past it are kept, even a smaller one that would fit."""
+    from fractions import Fraction
+
+    from odb_core.grouping import hold_sparse
+
+    lengths = {0: 1, 1: 2, 2: 1, 3: 1, 4: 3, 5: 3, 6: 4, 7: 9, 8: 9}
+    groups = [[0, 1], [2, 3, 4], [5, 6], [7, 8]]  # padding 25%, 44%, 12.5%, 0
+    frac = Fraction(1, 50)
+    assert hold_sparse(groups, lengths, frac, set(), limit=7) == ([[7, 8]], [[0, 1], [2, 3, 4], [5, 6]])
+    assert hold_sparse(groups, lengths, frac, set(), limit=6) == ([[5, 6], [7, 8]], [[0, 1], [2, 3, 4]])
+    # [2, 3, 4] does not fit in 4: the prefix ends there, so [5, 6] is kept although it would fit
+    assert hold_sparse(groups, lengths, frac, set(), limit=4) == ([[2, 3, 4], [5, 6], [7, 8]], [[0, 1]])
+    assert hold_sparse(groups, lengths, frac, set(), limit=1) == (groups, [])
+    assert hold_sparse(groups, lengths, frac, set(), limit=0) == (groups, [])
+    # exempt groups are not holdable, so they neither count toward the limit nor end the prefix
+    assert hold_sparse(groups, lengths, frac, {3}, limit=4) == ([[2, 3, 4], [7, 8]], [[0, 1], [5, 6]])
+    # a capped hold that would hold every group holds none
+    assert hold_sparse(groups[:3], lengths, frac, set(), limit=7) == (groups[:3], [])
+    assert hold_sparse(groups[:3], lengths, frac, set(), limit=6) == ([[5, 6]], [[0, 1], [2, 3, 4]])

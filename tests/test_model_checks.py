@@ -19,7 +19,7 @@ from model_checks import conformance
 from model_checks.report import SPEC_MUTANT, TRACE_BATCH
 from model_checks.suites import configs, run_config
 from model_checks.tla import sany
-from odb_core.config import MUTANTS
+from model_checks.mutants import MUTANTS
 
 pytestmark = pytest.mark.timeout(900)
 

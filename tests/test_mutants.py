@@ -6,7 +6,7 @@ from hypothesis import given
 
 from model_checks.mutation import BREAKS, hunt, violations
 from model_checks.strategies import cases
-from odb_core.config import MUTANTS
+from model_checks.mutants import MUTANTS
 
 
 def test_every_mutant_has_a_property_to_break():

@@ -1,0 +1,106 @@
+"""Seeded bugs: subclasses of the core's state machines that override one hook each.
+
+Each core mutant is the twin of a spec mutant (spec/cfg/mutant_*.cfg) and must be
+caught by TLC, by the hypothesis suite (:mod:`model_checks.mutation`) and by trace
+validation. They live here, with the checks, so no training run can configure one:
+``odb_core`` has hooks, not bugs. :func:`driver` gives the epoch driver of a mutant,
+which the simulator, the conformance harness and the collate process accept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from odb_core.alignment import paper_target
+from odb_core.epoch import EpochDriver
+from odb_core.protocol import RankProtocol, Step
+from odb_core.wire import Header, Status
+
+
+class NoCminProtocol(RankProtocol):
+    """M1: Eq. 3 without C_min+ (breaks the output capacity bound)."""
+
+    def _target(self, headers: Sequence[Header]) -> int:
+        return paper_target([Header(h.iteration, h.round, h.status, h.groups, 0, h.samples, h.tokens)
+                             for h in headers])
+
+
+class MaxGroupsProtocol(RankProtocol):
+    """M2: T = max G over active ranks, ignoring C_min+ and S_min+ (splits fall short: P2)."""
+
+    def _target(self, headers: Sequence[Header]) -> int:
+        return max((h.groups for h in headers if h.status is Status.READY), default=0)
+
+
+class DropOverflowProtocol(RankProtocol):
+    """M3: overflow groups are dropped instead of recirculated (breaks P1)."""
+
+    def _settle_overflow(self, emitted: list[list[int]],
+                         recirculated: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+        return emitted, [p for g in recirculated for p in g]
+
+
+class EarlyFinishProtocol(RankProtocol):
+    """M4: finished is announced once R and Q are empty, although B holds samples (breaks P4)."""
+
+    def _reports_finished(self, drained: bool) -> bool:
+        return drained
+
+
+class MergeOverflowProtocol(RankProtocol):
+    """M5: overflow is merged into the last kept group (breaks the budget, P3)."""
+
+    def _settle_overflow(self, emitted: list[list[int]],
+                         recirculated: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+        if recirculated:
+            emitted = [*emitted[:-1], emitted[-1] + [p for g in recirculated for p in g]]
+        return emitted, []
+
+
+class NoChainDriver(EpochDriver):
+    """M6: non-join without chaining: the epoch ends with the first logical iteration (breaks P5)."""
+
+    def _chains(self) -> bool:
+        return False
+
+
+class LocalQuotaDriver(EpochDriver):
+    """A7 (adapter): the quota counts this rank's samples instead of the step's global ones
+    (ranks stop at different steps; breaks P5 and, across ranks, P2)."""
+
+    def _quota_count(self, step: Step) -> int:
+        return step.local_samples
+
+
+def _with(name: str, protocol: type[RankProtocol]) -> type[EpochDriver]:
+    """An epoch driver running ``protocol`` (named ``name`` in this module, so it pickles)."""
+    return type(name, (EpochDriver,), {"protocol_cls": protocol, "__module__": __name__, "__doc__": protocol.__doc__})
+
+
+NoCminDriver = _with("NoCminDriver", NoCminProtocol)
+MaxGroupsDriver = _with("MaxGroupsDriver", MaxGroupsProtocol)
+DropOverflowDriver = _with("DropOverflowDriver", DropOverflowProtocol)
+EarlyFinishDriver = _with("EarlyFinishDriver", EarlyFinishProtocol)
+MergeOverflowDriver = _with("MergeOverflowDriver", MergeOverflowProtocol)
+
+#: the core mutants, each the twin of spec/cfg/mutant_<name>.cfg
+MUTANTS: dict[str, type[EpochDriver]] = {
+    "no-cmin": NoCminDriver,
+    "max-groups": MaxGroupsDriver,
+    "drop-overflow": DropOverflowDriver,
+    "early-finish": EarlyFinishDriver,
+    "merge-overflow": MergeOverflowDriver,
+    "no-chain": NoChainDriver,
+}
+#: mutants of the adapter's epoch loop, caught by replaying real-run traces
+ADAPTER_MUTANTS: dict[str, type[EpochDriver]] = {"local-quota": LocalQuotaDriver}
+
+
+def driver(mutant: str | None) -> type[EpochDriver]:
+    """The epoch driver class of ``mutant`` (the real one for None)."""
+    if mutant is None:
+        return EpochDriver
+    table = {**MUTANTS, **ADAPTER_MUTANTS}
+    if mutant not in table:
+        raise ValueError(f"unknown mutant {mutant!r}; known: {sorted(table)}")
+    return table[mutant]

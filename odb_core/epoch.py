@@ -1,0 +1,295 @@
+"""One rank's whole epoch, sans-IO: the driver every caller of the protocol runs.
+
+:class:`~odb_core.protocol.RankProtocol` is one logical iteration; an epoch is more:
+the handshake that checks every rank runs the same protocol, logical iterations chained
+up to the quota (non-join), the stop at the quota in the middle of a round, stall
+detection, the ``skip_idle`` end of a rank's loop, and the resume skip. All of those
+decisions live here, once; the simulator, the conformance harness and the torch
+collate process drive this class and only move data. The caller loops::
+
+    hello = driver.hello(facts)          # all_gather it, then driver.check_hello(gathered)
+    while not driver.done:
+        if (e := driver.sampler_epoch) is not None:
+            driver.start_iteration(sampler_order_of_epoch(e))
+            continue
+        request(driver.fetch())          # load these positions of driver.views
+        while driver.needs_arrivals():   # block for loaded samples, then driver.arrive(...)
+            ...
+        plan = driver.on_headers(all_gather(driver.begin_round()))
+        if plan.step_vector is not None:
+            for out in driver.on_steps(all_gather(plan.step_vector)):
+                hand_to_trainer(out)     # a Delivery, or LoopEnd (skip_idle)
+
+Every rank yields the same number of deliveries per epoch, or ends its loop with
+:class:`LoopEnd` at a point after which only idle items remain (P2); join mode delivers
+every view not skipped once (P4); non-join stops at the first step whose cumulative
+global sample count reaches N (P5). With ``trace`` set, every state change is appended
+to it as a plain dict (the events ``model_checks.traces`` merges into a spec behaviour).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from odb_core.config import ODBConfig
+from odb_core.errors import ConfigMismatchError, NonJoinStalledError, ProtocolStateError
+from odb_core.protocol import CHAIN_STRIDE, Plan, RankProtocol, Step
+from odb_core.quota import QuotaTracker
+from odb_core.wire import Status
+
+HELLO_MAGIC = 0x0DB1
+"""First value of the handshake vector (a peer running another wire format is caught)."""
+
+PROTOCOL_FIELDS = ("token_budget", "buffer_size", "depth", "mode", "loss_scaling", "seed", "target_policy",
+                   "overflow_policy", "output_capacity", "regroup_padding", "shuffle_steps")
+"""The :class:`ODBConfig` fields every rank must share (the handshake compares them)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One step for the trainer: the core's :class:`Step` and where it sits in the epoch."""
+
+    step: Step
+    number: int
+    """The step's number in the epoch (0-based; a resumed epoch continues the count)."""
+    sampler_positions: tuple[int, ...]
+    """The step's samples as positions in this epoch's sampler order (for ``state_dict``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoopEnd:
+    """``skip_idle``: this rank has no real step left in the epoch; its loop may end now, while
+    its driver keeps taking part in the rounds (every later item of this rank is idle)."""
+
+
+Output = Delivery | LoopEnd
+
+
+def _digest(value: object) -> int:
+    """A stable 62-bit digest of a value's repr (the same on every rank and process)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "big") >> 2
+
+
+class EpochDriver:
+    """One rank's epoch of the protocol.
+
+    Args:
+        config: the protocol configuration (every rank's must be equal: :meth:`hello`).
+        rank, world: this rank and the world size.
+        epoch: the epoch number (the sampler permutation of join mode and of the first
+            non-join iteration; part of the step order's seed).
+        quota: N, the non-join sample quota (the dataset size); ignored in join mode.
+        skip: join mode, resume: sampler positions already consumed; they are left out.
+        first_step: the number of the first delivery (a resumed epoch continues its count).
+        skip_idle: end this rank's loop with :class:`LoopEnd` once it is finished (join only).
+        trace: a list to append trace events to, or None (no cost).
+    """
+
+    protocol_cls: type[RankProtocol] = RankProtocol
+    """The per-iteration state machine (the seeded bugs of ``model_checks.mutants`` replace it)."""
+
+    def __init__(self, config: ODBConfig, rank: int, world: int, epoch: int = 0, *, quota: int | None = None,
+                 skip: Sequence[int] = (), first_step: int = 0, skip_idle: bool = False,
+                 trace: list[dict[str, Any]] | None = None) -> None:
+        self.config, self.rank, self.world, self.epoch = config, rank, world, epoch
+        self.join = config.mode == "join"
+        if not self.join and quota is None:
+            raise ValueError("non-join mode needs the sample quota N (the dataset size)")
+        self.quota = None if self.join else QuotaTracker(quota or 0)
+        self.skip = frozenset(skip)
+        self.skip_idle = skip_idle and self.join
+        self.trace = trace
+        self.next_step = first_step
+        self.iteration = -1
+        self.protocol: RankProtocol | None = None
+        self.kept: list[int] = []  # position in the iteration -> position in the sampler order
+        self.rounds = 0  # emitting rounds in the current logical iteration (spec: rounds)
+        self.last_out: tuple[tuple[int, ...], ...] = ()  # positions of each item of the last gather
+        self.loop_ended = False
+        self.done = self.quota is not None and self.quota.reached
+        self._iteration_start = 0
+        self._record(ev="begin", rank=rank, world=world, epoch=epoch, config=self._trace_config(),
+                     quota=0 if self.quota is None else self.quota.quota)
+
+    # ---- the handshake ----------------------------------------------------------------
+    def hello(self, facts: Mapping[str, object] | None = None) -> list[int]:
+        """The handshake vector: the epoch and a digest of every protocol field and of the
+        caller's ``facts`` (sampler seed, dataset size, ...), in a fixed order."""
+        facts = facts or {}
+        self._hello_fields = [*PROTOCOL_FIELDS, *sorted(facts)]
+        values: list[object] = [getattr(self.config, f) for f in PROTOCOL_FIELDS]
+        values += [facts[k] for k in sorted(facts)]
+        self._hello_values = values
+        return [HELLO_MAGIC, len(values), self.epoch, *(_digest(v) for v in values)]
+
+    def check_hello(self, gathered: Sequence[Sequence[int]]) -> None:
+        """Raise :class:`ConfigMismatchError` (the same verdict on every rank) if any rank's
+        handshake differs from this rank's, naming the first field that differs."""
+        mine = [int(v) for v in gathered[self.rank]]
+        for r, vector in enumerate(gathered):
+            other = [int(v) for v in vector]
+            if other[:2] != mine[:2] or len(other) != len(mine):
+                raise ConfigMismatchError(f"rank {self.rank}: rank {r} runs another ODB handshake "
+                                          f"({other[:2]} vs {mine[:2]})", rank=self.rank, field="version", ranks=[r])
+        names = ["epoch", *self._hello_fields]
+        for k, name in enumerate(names):
+            differ = [r for r, v in enumerate(gathered) if int(v[2 + k]) != mine[2 + k]]
+            if differ:
+                value = self.epoch if k == 0 else self._hello_values[k - 1]
+                raise ConfigMismatchError(
+                    f"rank {self.rank}: ranks disagree on {name}: this rank has {value!r}, ranks {differ} "
+                    "have another value; every rank must build its loader with the same protocol "
+                    "configuration, sampler and dataset", rank=self.rank, field=name, ranks=differ)
+
+    # ---- logical iterations -------------------------------------------------------------
+    @property
+    def sampler_epoch(self) -> int | None:
+        """The sampler epoch whose order :meth:`start_iteration` needs now; None while an
+        iteration runs or once the epoch is over. Non-join iteration k of epoch e reads
+        epoch e + k x CHAIN_STRIDE (a fresh permutation per chained iteration)."""
+        if self.done or self.protocol is not None:
+            return None
+        return self.epoch + (self.iteration + 1) * CHAIN_STRIDE
+
+    def start_iteration(self, order: Sequence[int]) -> None:
+        """Begin the next logical iteration over ``order`` (dataset identities in sampler
+        order). Join mode leaves out the positions in ``skip`` (a resumed epoch)."""
+        if self.sampler_epoch is None:
+            raise ProtocolStateError(f"rank {self.rank}: start_iteration() while an iteration runs or after the end")
+        self.iteration += 1
+        self.kept = [p for p in range(len(order)) if p not in self.skip] if self.join else list(range(len(order)))
+        views = [order[p] for p in self.kept]
+        self.protocol = self.protocol_cls(self.config, self.rank, self.world, views, iteration=self.iteration,
+                                          epoch=self.epoch)
+        self.rounds, self.last_out = 0, ()
+        self._iteration_start = self.quota.emitted if self.quota is not None else 0
+        self._record(ev="iteration", iteration=self.iteration, views=len(views))
+
+    @property
+    def views(self) -> list[int]:
+        """The current iteration's views (dataset identities), indexed by position."""
+        return self._proto().views
+
+    # ---- one round --------------------------------------------------------------------
+    def fetch(self) -> list[int]:
+        """R -> Q within the depth: the positions to load now (P1)."""
+        fetched = self._proto().fetch()
+        if fetched:
+            self._record(ev="fetch", positions=fetched)
+        return fetched
+
+    def arrive(self, pos: int, length: int, tokens: int | None = None) -> None:
+        """A loaded sample: Q -> B (raises :class:`InvalidSampleError` on a bad length)."""
+        self._proto().arrive(pos, length, tokens)
+        self._record(ev="arrive", pos=pos, length=length)
+
+    def needs_arrivals(self) -> bool:
+        """Wait for loaded samples before the next gather: the buffer is not full and some
+        fetched view has not arrived. Gathering only then makes every round count."""
+        proto = self._proto()
+        return proto.buffer_fill < self.config.buffer_size and bool(proto.in_flight)
+
+    def begin_round(self) -> list[int]:
+        """The header vector of this round (all_gather it)."""
+        return self._proto().begin_round()
+
+    def on_headers(self, gathered: Sequence[Sequence[int]]) -> Plan:
+        """Decide the round from every rank's header. ``plan.done``: the logical iteration
+        ended; the epoch ends with it (join, or the quota reached) or the next iteration
+        is chained (:attr:`sampler_epoch`). Raises :class:`NonJoinStalledError` if a
+        non-join iteration ended without consuming anything."""
+        proto = self._proto()
+        plan = proto.on_headers(gathered)
+        if plan.done:
+            self._end_iteration(proto)
+        elif plan.step_vector is None:
+            self.last_out = ()
+            self._record_gather(proto, target=0, ended=False)
+        return plan
+
+    def on_steps(self, gathered: Sequence[Sequence[int]]) -> list[Output]:
+        """Emit the round's items; return what the trainer gets, in order: every item up to
+        the one that reaches the quota (non-join), none of this rank's idle items after its
+        :class:`LoopEnd` (``skip_idle``)."""
+        proto = self._proto()
+        steps = proto.on_steps(gathered)
+        self.rounds += 1
+        self.last_out = tuple(s.positions for s in steps)
+        out: list[Output] = []
+        for s in steps:
+            if self.done:
+                break  # the quota was reached earlier in this round: the rest is not consumed
+            if not self.loop_ended:
+                out.append(Delivery(s, self.next_step, tuple(self.kept[p] for p in s.positions)))
+            self.next_step += 1
+            if self.quota is not None:
+                self.quota.add(self._quota_count(s))
+                self.done = self.quota.reached
+        if self.skip_idle and not self.loop_ended and proto.finished:
+            self.loop_ended = True
+            out.append(LoopEnd())
+        self._record_gather(proto, target=len(steps), ended=False)
+        if self.done:
+            self._record(ev="end")
+        return out
+
+    # ---- hooks (the seeded bugs of model_checks.mutants override these) -----------------
+    def _quota_count(self, step: Step) -> int:
+        """What a consumed step adds to the quota: its global sample count (P5)."""
+        return step.global_samples
+
+    def _chains(self) -> bool:
+        """Non-join: whether an iteration that ends before the quota chains the next one (P5)."""
+        return True
+
+    # ---- helpers ----------------------------------------------------------------------
+    def _end_iteration(self, proto: RankProtocol) -> None:
+        self.last_out = ()
+        if self.quota is None or not self._chains():
+            self.done = True
+        elif self.quota.emitted == self._iteration_start:
+            self._record_gather(proto, target=0, ended=True)
+            raise NonJoinStalledError(
+                f"rank {self.rank}: non-join iteration {self.iteration} of epoch {self.epoch} consumed nothing "
+                f"before ranks {proto.finished_ranks} finished (does a rank have no data?)", rank=self.rank)
+        self._record_gather(proto, target=0, ended=True)
+        if self.done:
+            self._record(ev="end")
+        else:
+            self.protocol = None  # chain: sampler_epoch names the next order
+
+    def _proto(self) -> RankProtocol:
+        if self.protocol is None:
+            raise ProtocolStateError(f"rank {self.rank}: no logical iteration is running "
+                                     "(call start_iteration with the order of sampler_epoch)")
+        return self.protocol
+
+    def _trace_config(self) -> dict[str, Any]:
+        frac = self.config.regroup_fraction
+        return {"token_budget": self.config.token_budget, "buffer_size": self.config.buffer_size,
+                "depth": self.config.outstanding_depth, "mode": self.config.mode,
+                "target_policy": self.config.target_policy, "overflow_policy": self.config.overflow_policy,
+                "output_capacity": self.config.output_capacity or 0,
+                "regroup": [0, 0] if frac is None else [frac.numerator, frac.denominator]}
+
+    def _record(self, **event: Any) -> None:
+        if self.trace is not None:
+            self.trace.append(event)
+
+    def _record_gather(self, proto: RankProtocol, target: int, ended: bool) -> None:
+        if self.trace is None:
+            return
+        status = proto.status
+        quota = self.quota or QuotaTracker(0)
+        self.trace.append({
+            "ev": "gather", "round": proto.round - (0 if ended else 1),
+            "status": {Status.READY: "ready", Status.WAITING: "waiting", Status.FINISHED: "finished"}.get(
+                status, "waiting") if status is not None else "waiting",
+            "grouping": proto.grouping if status is Status.READY else [], "target": target, "ended": ended,
+            "out": [list(o) for o in self.last_out], "held": sorted(proto.held),
+            "consumed": quota.emitted, "last_step": quota.last_step, "done": self.done,
+        })
+

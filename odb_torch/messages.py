@@ -1,0 +1,62 @@
+"""The messages between a rank's trainer process (the loader) and its collate process.
+
+Frozen dataclasses, pickled through two multiprocessing queues: ``ctrl`` carries
+:class:`StartEpoch` and :class:`Stop` from the loader; ``out`` carries :class:`Batch`,
+:class:`EpochEnd` and :class:`Failure` back. A failure carries the exception object
+itself (every :class:`~odb_core.errors.ODBError` pickles with its ``rank`` and
+``indices``), so the trainer raises exactly what the collate process raised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from odb_core.errors import ODBError
+from odb_torch.step_info import StepInfo
+
+
+@dataclass(frozen=True)
+class StartEpoch:
+    """Serve one epoch: ``skip`` holds sampler positions already consumed (resume) and
+    ``first_step`` the number of the first step; ``serial`` counts the epochs this loader
+    started (the same on every rank; it names the run's trace files)."""
+
+    epoch: int
+    skip: tuple[int, ...]
+    first_step: int
+    serial: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Leave the epoch (if any) and exit."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step: what ``collate_fn`` returned, its step info, and the step's samples as
+    positions in the epoch's sampler order (for ``state_dict``)."""
+
+    batch: Any
+    info: StepInfo
+    positions: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EpochEnd:
+    """This rank's loop over ``epoch`` ends here (every later item of the epoch is idle,
+    or the epoch is over)."""
+
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The collate process failed with ``error``; it stays until told to stop."""
+
+    error: ODBError
+
+
+Command = StartEpoch | Stop
+Reply = Batch | EpochEnd | Failure
