@@ -361,14 +361,19 @@ def record(s: Scenario, dataset: list[int], schedule: str) -> Trace:
     ``dataset``; ``s`` must hold the per-rank lengths of its shards. Records every state change."""
     states: list[tuple[Value, ...]] = []
     packs: list[tuple[Value, ...]] = []
+    actions: list[str] = []
+    cfg, world = s.config(), len(s.lengths)
 
     def tracer(label: str, protos: list[RankProtocol], cursor: Cursor, packing: list[list[list[int]]]) -> None:
+        if len(protos) < world:  # no iteration started (a quota of 0 ends the epoch at Init): the spec's Init
+            protos = [RankProtocol(cfg, r, world, range(len(ls))) for r, ls in enumerate(s.lengths)]
         states.append(abstract(protos, cursor))
         packs.append(tuple(tuple(tuple(x + 1 for x in g) for g in groups) for groups in packing)
                      if packing else tuple(() for _ in protos))
+        actions.append(label)
 
-    simulate(dataset, len(s.lengths), s.config(), schedule, shuffle=False, tracer=tracer, driver_cls=driver(s.mutant))
-    return Trace(s, schedule, states, packs)
+    simulate(dataset, world, cfg, schedule, shuffle=False, tracer=tracer, driver_cls=driver(s.mutant))
+    return Trace(s, schedule, states, packs, actions)
 
 
 def random_scenario(rng: random.Random, seed: int, mutant: str | None = None) -> tuple[Scenario, list[int], str]:
