@@ -72,6 +72,14 @@ class LocalQuotaDriver(EpochDriver):
         return step.local_samples
 
 
+class RoundQuotaDriver(EpochDriver):
+    """A8 (adapter): the quota is checked once per round, so every step of the round that
+    reaches N is consumed (breaks P5's bound N + S_max and the spec's consumed count)."""
+
+    def _stops_at_quota(self) -> bool:
+        return False
+
+
 def _with(name: str, protocol: type[RankProtocol]) -> type[EpochDriver]:
     """An epoch driver running ``protocol`` (named ``name`` in this module, so it pickles)."""
     return type(name, (EpochDriver,), {"protocol_cls": protocol, "__module__": __name__, "__doc__": protocol.__doc__})
@@ -93,7 +101,7 @@ MUTANTS: dict[str, type[EpochDriver]] = {
     "no-chain": NoChainDriver,
 }
 #: mutants of the adapter's epoch loop, caught by replaying real-run traces
-ADAPTER_MUTANTS: dict[str, type[EpochDriver]] = {"local-quota": LocalQuotaDriver}
+ADAPTER_MUTANTS: dict[str, type[EpochDriver]] = {"local-quota": LocalQuotaDriver, "round-quota": RoundQuotaDriver}
 
 
 def driver(mutant: str | None) -> type[EpochDriver]:

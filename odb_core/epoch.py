@@ -220,7 +220,7 @@ class EpochDriver:
         self.last_out = tuple(s.positions for s in steps)
         out: list[Output] = []
         for s in steps:
-            if self.done:
+            if self.done and self._stops_at_quota():
                 break  # the quota was reached earlier in this round: the rest is not consumed
             if not self.loop_ended:
                 out.append(Delivery(s, self.next_step, tuple(self.kept[p] for p in s.positions)))
@@ -240,6 +240,10 @@ class EpochDriver:
     def _quota_count(self, step: Step) -> int:
         """What a consumed step adds to the quota: its global sample count (P5)."""
         return step.global_samples
+
+    def _stops_at_quota(self) -> bool:
+        """Non-join: the epoch ends at the step that reaches the quota, mid-round (P5)."""
+        return True
 
     def _chains(self) -> bool:
         """Non-join: whether an iteration that ends before the quota chains the next one (P5)."""

@@ -22,7 +22,7 @@ import pytest
 import torch.multiprocessing as tmp
 
 from odb_torch.ports import free_port
-from torch_support import describe, rank_main, sample_length, wait_for_no_leftovers
+from torch_support import check_real_traces, describe, rank_main, sample_length, wait_for_no_leftovers
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,9 +33,12 @@ def free_port_triple() -> int:
 
 
 def run_ranks(
-    world: int, task: dict[str, Any], tmp_path: Path, timeout: float = 240, killed_ranks: int = 0
+    world: int, task: dict[str, Any], tmp_path: Path, timeout: float = 240, killed_ranks: int = 0,
+    trace: bool = False,
 ) -> list[dict[str, Any]]:
     """Spawn the ranks; check no tagged process and no new /dev/shm entry survives.
+    ``trace``: the collate processes trace the protocol into ``tmp_path/traces``
+    (``ODB_TRACE_DIR``), for :func:`check_real_traces`.
 
     A SIGKILLed trainer rank cannot unlink the named semaphores of its loader's two
     queues (3 each); under spawn they are registered with this process's resource
@@ -46,6 +49,9 @@ def run_ranks(
     shm_before = set(os.listdir("/dev/shm"))
     tag = uuid.uuid4().hex
     os.environ["ODB_TEST_TAG"] = tag
+    if trace:
+        (tmp_path / "traces").mkdir(exist_ok=True)
+        os.environ["ODB_TRACE_DIR"] = str(tmp_path / "traces")
     try:
         ctx = tmp.start_processes(rank_main, args=(world, free_port_triple(), str(tmp_path), task), nprocs=world,
                                   join=False, start_method="spawn")
@@ -60,6 +66,7 @@ def run_ranks(
                 p.join(10)
     finally:
         del os.environ["ODB_TEST_TAG"]
+        os.environ.pop("ODB_TRACE_DIR", None)
     leftovers = wait_for_no_leftovers(tag)
     described = [describe(pid) for pid in leftovers]
     for pid in leftovers:
@@ -78,9 +85,12 @@ def run_ranks(
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_lockstep_coverage_budget_over_three_epochs_without_leaks(world, tmp_path):
     n = 157
-    results = run_ranks(world, {"kind": "audit", "n": n, "epochs": 3, "workers": 1 if world == 2 else 0}, tmp_path)
+    results = run_ranks(world, {"kind": "audit", "n": n, "epochs": 3, "workers": 1 if world == 2 else 0}, tmp_path,
+                        trace=world in (2, 3))
     for r in results:
         assert "error" not in r, r
+    if world in (2, 3):  # the real run, traced, is a behaviour of the spec (every invariant, every state)
+        check_real_traces(tmp_path / "traces", require=("fetch", "drain", "gather", "split", "end"))
     for epoch in range(3):
         steps = [r["epochs"][epoch] for r in results]
         assert len({len(s) for s in steps}) == 1, "P2: ranks yielded different step counts"
@@ -137,9 +147,10 @@ def test_bad_input_raises_typed_errors_on_every_rank(fail, extra, owner_error, n
 @pytest.mark.parametrize("stop_after", [1, 4])
 def test_resume_mid_epoch_emits_exactly_the_rest(stop_after, tmp_path):
     n = 101
-    results = run_ranks(2, {"kind": "resume", "n": n, "stop_after": stop_after, "buffer": 8}, tmp_path)
+    results = run_ranks(2, {"kind": "resume", "n": n, "stop_after": stop_after, "buffer": 8}, tmp_path, trace=True)
     for r in results:
         assert "error" not in r, r
+    check_real_traces(tmp_path / "traces")  # the cut run and the resumed one (fewer views)
     assert all(len(r["before"]) == stop_after for r in results)
     assert len({len(r["after"]) for r in results}) == 1, "P2 after resume"
     ids = [i for r in results for part in ("before", "after") for batch in r[part] for i in batch]
@@ -169,11 +180,12 @@ def test_faults_raise_typed_errors_on_survivors_within_bounded_time(fault, victi
     """A killed collate process, a SIGKILLed rank, a straggler stalled past the timeout (10 s)."""
     started = time.monotonic()
     results = run_ranks(2, {"kind": "fault", "n": 400, "buffer": 4, "victim": 0, "fault": fault, "timeout": 10},
-                        tmp_path, timeout=120, killed_ranks=int(fault == "kill_rank"))
+                        tmp_path, timeout=120, killed_ranks=int(fault == "kill_rank"), trace=True)
     assert time.monotonic() - started < 110
     assert results[0]["error"] == victim_error, results[0]
     assert {r["error"] for r in results[1:]} <= others, results[1:]
     assert "rank 1" in results[1]["message"] or "rank 0" in results[1]["message"]
+    check_real_traces(tmp_path / "traces")  # the run up to the fault is a behaviour of the spec
 
 
 @pytest.mark.parametrize("start_method", ["fork", "forkserver"])
@@ -210,9 +222,12 @@ def test_non_join_epoch_closes_the_quota_in_lockstep(world, tmp_path):
     """Non-join (P5): every rank stops at the same step, the first whose cumulative global
     sample count reaches N, so N <= emitted <= N + the largest step; over two epochs."""
     n = 61
-    results = run_ranks(world, {"kind": "audit", "n": n, "epochs": 2, "mode": "non-join"}, tmp_path)
+    # unshuffled, so the chained iterations' traces fit the spec's fixed lengths per position
+    results = run_ranks(world, {"kind": "audit", "n": n, "epochs": 2, "mode": "non-join", "shuffle": False}, tmp_path,
+                        trace=True)
     for r in results:
         assert "error" not in r, r
+    check_real_traces(tmp_path / "traces", require=("fetch", "drain", "gather", "chain", "end"))
     for epoch in range(2):
         steps = [r["epochs"][epoch] for r in results]
         assert len({len(s) for s in steps}) == 1, "P2: equal step counts"
@@ -233,9 +248,10 @@ def test_skip_idle_under_join_ends_a_finished_rank_early_without_deadlock(tmp_pa
     n = 40
     task = {"kind": "join", "n": n, "epochs": 2, "length": 100, "shards": [list(range(36)), list(range(36, 40))],
             "skip_idle": True, "queue_size": 1, "timeout": 30, "buffer": 8}
-    results = run_ranks(2, task, tmp_path)
+    results = run_ranks(2, task, tmp_path, trace=True)
     for r in results:
         assert "error" not in r, r
+    check_real_traces(tmp_path / "traces", require=("fetch", "drain", "gather", "end"))
     for epoch in range(2):
         counts = [len(r["epochs"][epoch]) for r in results]
         assert counts[0] >= counts[1] + 10, f"rank 1 should run far fewer batches than rank 0, got {counts}"

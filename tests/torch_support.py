@@ -100,18 +100,25 @@ class TinyLM(torch.nn.Module):
 def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, Any]) -> None:
     """One trainer rank: a Gloo trainer group, an ODBDataLoader, and the task's loop."""
     result: dict[str, Any] = {"rank": rank}
+    task = {**task, **task.get("per_rank", {}).get(str(rank), {})}  # ranks that disagree, on purpose
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
         dataset = ToyDataset(task["n"], {int(k): v for k, v in task.get("fail", {}).items()}, task.get("length"))
         collate = {"failing": failing_collate, "tuple": tuple_collate, "tensor": tensor_collate}.get(
             task.get("collate", ""), pad_collate)
-        loader = ODBDataLoader(dataset, token_budget=128, collate_fn=collate, buffer_size=task.get("buffer", 16),
+        loader_cls = ODBDataLoader
+        if "driver" in task:  # a seeded bug of the epoch loop (model_checks.mutants)
+            from model_checks.mutants import driver
+
+            loader_cls = type("MutantLoader", (ODBDataLoader,), {"driver_cls": driver(task["driver"])})
+        loader = loader_cls(dataset, token_budget=128, collate_fn=collate, buffer_size=task.get("buffer", 16),
                                num_workers=task.get("workers", 0), seed=task.get("seed", 0),
                                init_method=f"tcp://127.0.0.1:{port + 1}", timeout=task.get("timeout", 60),
                                start_method=task.get("start_method", "spawn"), mode=task.get("mode", "join"),
                                sampler=ShardSampler(task["shards"][rank]) if "shards" in task else None,
-                               skip_idle=task.get("skip_idle", False),
+                               skip_idle=task.get("skip_idle", False), shuffle=task.get("shuffle", True),
+                               target_policy=task.get("target_policy", "balanced"),
                                queue_size=task.get("queue_size", 8))
         try:
             if task["kind"] == "audit":
@@ -147,7 +154,7 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
                         break
                 state = json.loads(json.dumps(loader.state_dict()))  # as a checkpoint would store it
                 loader.close()
-                loader = ODBDataLoader(dataset, token_budget=128, collate_fn=collate, buffer_size=task.get("buffer", 16),
+                loader = loader_cls(dataset, token_budget=128, collate_fn=collate, buffer_size=task.get("buffer", 16),
                                        num_workers=0, init_method=f"tcp://127.0.0.1:{port + 2}", timeout=60)
                 loader.load_state_dict(state)
                 after = [list(loader.step_info.indices) for _ in loader]
@@ -353,3 +360,20 @@ def check_linear_lr_by_samples(points: list[dict[str, Any]], lr: float, total: i
         assert math.isclose(point["lr"], lr * factor, rel_tol=1e-9, abs_tol=1e-15), (
             f"LR after update {point['update']} is {point['lr']}, the linear schedule at {seen} samples "
             f"is {lr * factor}")
+
+
+def check_real_traces(directory: Path, require: tuple[str, ...] = ("fetch", "drain", "gather")) -> dict[str, Any]:
+    """Merge the per-rank trace logs a traced run wrote (``ODB_TRACE_DIR``) into spec
+    behaviours and replay them with TLC, every invariant on every state; fail unless every
+    trace is accepted and the traces together exercise ``require``. Returns the coverage."""
+    from model_checks.traces import coverage_report, merge_directory, replay
+
+    traces = merge_directory(directory)
+    assert traces, f"no trace was written to {directory}"
+    verdicts = replay(traces)
+    rejected = [v.describe() for v in verdicts if not v.accepted]
+    assert not rejected, f"real-run traces rejected by TLC: {rejected}"
+    report = coverage_report(traces)
+    missing = [k for k in require if not report["total"].get(k)]
+    assert not missing, f"the traced runs never exercised {missing}: {report['total']}"
+    return report
