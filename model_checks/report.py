@@ -12,13 +12,14 @@ import time
 from typing import Any
 
 from model_checks import conformance
+from model_checks import traces as trace_validation
 from model_checks.mutation import hunt
 from model_checks.suites import configs, run_config
 from model_checks.tla import sany
 from model_checks.mutants import MUTANTS
 
 #: traces per TLC run (amortises the JVM start; one TraceData module each)
-TRACE_BATCH = 260
+TRACE_BATCH = trace_validation.TRACE_BATCH
 #: which spec mutant configuration matches each core mutant
 SPEC_MUTANT = {m: "mutant_" + m.replace("-", "_") for m in MUTANTS}
 
@@ -70,17 +71,30 @@ def check(
         say(f"  state space {sp.scenario}: {sp.python_states} vs {sp.tlc_states} states, "
             f"{sp.python_transitions} vs {sp.tlc_transitions} transitions")
     clean = conformance.clean_traces(traces)
-    accepted: set[int] = set()
-    for lo in range(0, len(clean), TRACE_BATCH):
-        acc, _ = conformance.check_traces(clean[lo : lo + TRACE_BATCH])
-        accepted |= {lo + k for k in acc}
-    bad = [t for ts in conformance.mutant_traces(mutant_traces_each).values() for t in ts]
-    _, rejected = conformance.check_traces(bad)
+    verdicts = trace_validation.replay(clean, batch=TRACE_BATCH)
+    accepted = {v.index for v in verdicts if v.accepted}
+    coverage = trace_validation.coverage_report(clean)["total"] if clean else {}
+    per_mutant = conformance.mutant_traces(mutant_traces_each)
+    bad = [t for ts in per_mutant.values() for t in ts]
+    bad_verdicts = trace_validation.replay(bad, batch=TRACE_BATCH)
+    rejected = {v.index for v in bad_verdicts if not v.accepted}
     say(f"  traces: {len(accepted)}/{len(clean)} accepted; mutant traces rejected {len(rejected)}/{len(bad)}")
+    for v in verdicts:
+        if not v.accepted:
+            say(f"    {v.describe()}")
+    names = [m for m, ts in per_mutant.items() for _ in ts]
+    rejected_by: dict[str, list[str]] = {}
+    for m, v in zip(names, bad_verdicts):
+        rejected_by.setdefault(m, [])
+        if not v.accepted and ",".join(v.reasons) not in rejected_by[m]:
+            rejected_by[m].append(",".join(v.reasons))
 
     conf = {
         "traces_checked": len(clean),
         "traces_accepted": len(accepted),
+        "trace_rejections": [v.describe() for v in verdicts if not v.accepted],
+        "trace_coverage": coverage,
+        "mutant_traces_rejected_by": rejected_by,
         "mutant_traces": len(bad),
         "mutant_traces_rejected": len(rejected),
         "state_space_equal": all(s.states_equal and s.transitions_equal for s in spaces) if spaces else None,

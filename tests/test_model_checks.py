@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from model_checks import conformance
+from model_checks import traces as trace_validation
 from model_checks.report import SPEC_MUTANT, TRACE_BATCH
 from model_checks.suites import configs, run_config
 from model_checks.tla import sany
@@ -74,9 +75,11 @@ def test_simulator_traces_replay_as_spec_behaviours():
     assert len(schedules) == 5 and modes == {True, False}
     held = conformance.VARIABLES.index("H")
     assert any(any(st[held]) for t in traces for st in t.states), "no trace holds a group back to regroup"
-    for lo in range(0, len(traces), TRACE_BATCH):
-        accepted, rejected = conformance.check_traces(traces[lo : lo + TRACE_BATCH])
-        assert not rejected, [(traces[lo + k].scenario, traces[lo + k].schedule) for k in sorted(rejected)[:3]]
+    # every kind of step occurs: fetch, drain, gather, split, overflow, hold, skip, chain, end
+    trace_validation.require_coverage(traces)
+    # every invariant on every state, the B(l) grouping at every gather, done at the end
+    rejected = [v for v in trace_validation.replay(traces, batch=TRACE_BATCH) if not v.accepted]
+    assert not rejected, [(v.describe(), traces[v.index].scenario, traces[v.index].schedule) for v in rejected[:3]]
 
 
 def test_mutated_core_traces_are_rejected():
