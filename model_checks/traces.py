@@ -81,7 +81,8 @@ class Verdict:
         if self.accepted:
             return f"trace {self.index}: accepted"
         why = ", ".join(self.reasons)
-        return f"trace {self.index}: rejected at state {self.state} by {why}" + (f" ({self.detail})" if self.detail else "")
+        detail = f" ({self.detail})" if self.detail else ""
+        return f"trace {self.index}: rejected at state {self.state} by {why}{detail}"
 
 
 def actions_of(trace: Trace) -> list[str]:
@@ -209,7 +210,8 @@ def trace_module(traces: Sequence[Trace]) -> str:
             f"    CASE a = \"Fetch\" -> \\E r \\in {o}!Ranks : {o}!Fetch(r)\n"
             f"      [] a = \"Drain\" -> \\E r \\in {o}!Ranks : \\E p \\in Q[r] : {o}!Drain(r, p)\n"
             f"      [] OTHER -> {o}!GatherWith(LAMBDA r : P[r], LAMBDA al, T : {o}!RecordedOrder(al, T))\n"
-            f"Grouping_{k}(P) == \\A r \\in {o}!Ranks : P[r] = IF {o}!Status(r) = \"ready\" THEN {o}!BRule(r) ELSE <<>>\n"
+            f"Grouping_{k}(P) ==\n"
+            f"    \\A r \\in {o}!Ranks : P[r] = IF {o}!Status(r) = \"ready\" THEN {o}!BRule(r) ELSE <<>>\n"
             f"Violated_{k} == IF ~{o}!TypeOK THEN <<\"TypeOK\">> ELSE {fails}\n"
         )
     n = len(traces)
