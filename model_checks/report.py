@@ -32,8 +32,12 @@ def check(
     hunt_examples: int = 2000,
     progress: bool = False,
     scenarios: str = "*",
+    real_traces: str | None = None,
 ) -> dict[str, Any]:
     """Run the model checks; return the ``odb check --json`` object (``ok`` says all passed).
+
+    ``real_traces``: a directory of real runs' trace logs (``ODB_TRACE_DIR`` of the loader;
+    one subdirectory per scenario, or the logs themselves) to replay with every invariant.
 
     ``select`` picks TLC configurations and ``scenarios`` the core-vs-spec state-space
     scenarios by glob; ``state_space_equal`` is None when no scenario was picked."""
@@ -89,6 +93,7 @@ def check(
         if not v.accepted and ",".join(v.reasons) not in rejected_by[m]:
             rejected_by[m].append(",".join(v.reasons))
 
+    real = None if real_traces is None else replay_real_traces(real_traces)
     conf = {
         "traces_checked": len(clean),
         "traces_accepted": len(accepted),
@@ -99,6 +104,7 @@ def check(
         "mutant_traces_rejected": len(rejected),
         "state_space_equal": all(s.states_equal and s.transitions_equal for s in spaces) if spaces else None,
         "state_spaces": [s.__dict__ for s in spaces],
+        "real_traces": real,
     }
     ok = (
         all(r.passed for r in results)
@@ -106,6 +112,7 @@ def check(
         and conf["traces_accepted"] == conf["traces_checked"]
         and conf["mutant_traces_rejected"] == conf["mutant_traces"]
         and conf["state_space_equal"] is not False
+        and (real is None or real["accepted"] == real["checked"])
     )
     return {
         "ok": ok,
@@ -114,3 +121,25 @@ def check(
         "conformance": conf,
         "seconds": round(time.perf_counter() - started, 1),
     }
+
+
+def replay_real_traces(directory: str) -> dict[str, Any]:
+    """Merge and replay every run under ``directory`` (each subdirectory a scenario): counts
+    checked and accepted, per scenario, with the verdicts of rejected runs and the coverage."""
+    from pathlib import Path
+
+    root = Path(directory)
+    by_scenario: dict[str, dict[str, int]] = {}
+    traces = []
+    for folder in sorted({p.parent for p in root.rglob("*-rank*.jsonl")}):
+        name = str(folder.relative_to(root)) if folder != root else "."
+        merged = trace_validation.merge_directory(folder)
+        traces.extend(merged)
+        by_scenario[name] = {"runs": len(merged)}
+    verdicts = trace_validation.replay(traces) if traces else []
+    names = [s for s, v in by_scenario.items() for _ in range(v["runs"])]
+    for name, v in zip(names, verdicts):
+        by_scenario[name]["accepted"] = by_scenario[name].get("accepted", 0) + int(v.accepted)
+    return {"checked": len(traces), "accepted": sum(v.accepted for v in verdicts), "by_scenario": by_scenario,
+            "rejections": [v.describe() for v in verdicts if not v.accepted],
+            "coverage": trace_validation.coverage_report(traces)["total"] if traces else {}}

@@ -116,6 +116,8 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--traces", type=int, default=520, help="simulator traces to replay under TLC (default 520)")
     p.add_argument("--mutant-traces", type=int, default=20, help="traces per mutant that must be rejected")
     p.add_argument("--hunt-examples", type=int, default=2000, help="hypothesis examples per mutant hunt (0: skip)")
+    p.add_argument("--real-traces", default=None, metavar="DIR",
+                   help="also replay the trace logs of real runs in DIR (ODB_TRACE_DIR; a subdirectory per scenario)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_check)
 
@@ -124,7 +126,8 @@ def _check(args: argparse.Namespace) -> int:
     from model_checks.report import check
 
     report = check(deep=args.deep, select=args.select, traces=args.traces, mutant_traces_each=args.mutant_traces,
-                   hunt_examples=args.hunt_examples, progress=not args.json, scenarios=args.scenarios)
+                   hunt_examples=args.hunt_examples, progress=not args.json, scenarios=args.scenarios,
+                   real_traces=args.real_traces)
     if args.json:
         print(json.dumps(report))
     else:
