@@ -15,6 +15,7 @@ import pytest
 
 from model_checks.traces import merge_directory, replay
 from test_torch_loader import run_ranks
+from torch_support import check_real_traces
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,6 +39,17 @@ def test_real_traces_of_a_broken_epoch_loop_are_rejected(mutant, task, tmp_path)
     assert traces, "the mutated run wrote no trace"
     verdicts = replay(traces)
     assert any(not v.accepted for v in verdicts), f"TLC accepted every trace of the {mutant} run"
+
+
+def test_real_non_join_run_that_chains_iterations_is_a_spec_behaviour(tmp_path):
+    """Non-join over uneven fixed shards (45 and 16 views) at W=2, three epochs: iterations end
+    when rank 1 finishes and chain; every trace replays with every invariant (the same run
+    under the round-quota mutant above is rejected)."""
+    task = {"kind": "audit", "n": 61, "epochs": 3, "mode": "non-join", "buffer": 12,
+            "shards": [list(range(45)), list(range(45, 61))]}
+    results = run_ranks(2, task, tmp_path, trace=True)
+    assert all("error" not in r for r in results), results
+    check_real_traces(tmp_path / "traces", require=("fetch", "drain", "gather", "chain", "split", "end"))
 
 
 @pytest.mark.parametrize(
