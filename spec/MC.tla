@@ -19,6 +19,16 @@ Len_3e == <<<<1, 4, 8>>, <<2, 2>>, <<>>>>
 \* Regroup: buffers of 3 form padded pairs that are held back (H) and regrouped.
 NV_2x4r == <<4, 4>>
 Len_2x4r == <<<<1, 3, 2, 4>>, <<2, 2, 5, 1>>>>
+\* Depth bound under regroup: one rank whose short pairs are held, then released but not
+\* emitted (capacity 1), while the fetch refills D: before holds were capped at D,
+\* |Q| + |B| reached 5 with H empty (the old DepthBound, |Q| + |B \ H| <= D = 4, failed).
+NV_1d == <<8>>
+Len_1d == <<<<1, 1, 3, 3, 10, 10, 10, 10>>>>
+\* Holds capped at D: a rank that emits one group a round (capacity 1) while it holds and
+\* releases pairs collects more than D holdable samples; uncapped, it held 4 > D = 3 and
+\* then fetched to |Q| + |B| = 7 > 2D.
+NV_1c == <<12>>
+Len_1c == <<<<0, 3, 3, 0, 0, 2, 0, 2, 0, 10, 10, 10>>>>
 \* Deep suite: three ranks, three views each.
 NV_3x3 == <<3, 3, 3>>
 Len_3x3 == <<<<2, 6, 9>>, <<1, 5, 12>>, <<4, 4, 0>>>>

@@ -68,14 +68,18 @@ Status(r) == IF IsFinished(r) THEN "finished"
              ELSE "waiting"
 
 (* Grouping: the B(l) walk over B sorted by (length, position).            *)
+(* Values are bound with CHOOSE w \in {e(x) : x \in {v}} : TRUE, not LET:  *)
+(* when TLC checks fairness it re-evaluates LET values and lazy operator   *)
+(* arguments on every reference, which made the walk exponential in the   *)
+(* number of groups (a buffer of 8 stalled Termination for minutes).       *)
 ShorterFirst(r, a, b) == Length[r][a] < Length[r][b] \/ (Length[r][a] = Length[r][b] /\ a < b)
 RECURSIVE Walk(_, _, _, _)
 Walk(r, order, end, t) ==
     IF end = 0 THEN <<>>
-    ELSE LET start == IF end > t THEN end - t ELSE 0
-         IN <<SubSeq(order, start + 1, end)>> \o Walk(r, order, start, BS(Length[r][order[start + 1]]))
-BRule(r) == LET order == SortSeq(B[r], LAMBDA a, b : ShorterFirst(r, a, b))
-            IN Reverse(Walk(r, order, Len(order), 1))
+    ELSE CHOOSE w \in {<<SubSeq(order, start + 1, end)>> \o Walk(r, order, start, BS(Length[r][order[start + 1]]))
+                       : start \in {IF end > t THEN end - t ELSE 0}} : TRUE
+BRule(r) == CHOOSE w \in {Reverse(Walk(r, order, Len(order), 1))
+                          : order \in {SortSeq(B[r], LAMBDA a, b : ShorterFirst(r, a, b))}} : TRUE
 Packing(r) == BRule(r)
 
 (* A packing of rank r's buffer is admissible if it partitions B[r] into   *)
@@ -89,17 +93,24 @@ Admissible(r, gs) ==
     /\ UNION {Range(g) : g \in Range(gs)} = Range(B[r])
 
 (* Regroup (odb_core's regroup_padding, grouping.hold_sparse). A rank that *)
-(* is not drained holds back each group of >= 2 samples, none of them held *)
-(* at its last round (H), whose padding exceeds RegroupNum / RegroupDen:    *)
-(* they stay in B and regroup with the next arrivals, where lengths are    *)
-(* denser. If every group would be held, none is. Held samples do not count *)
-(* toward the buffer or the depth until the next emitting round (so a hold *)
-(* never shrinks the next buffer), and a rank with fewer kept groups than T *)
+(* is not drained may hold back a group of >= 2 samples, none of them held *)
+(* at its last round (H), whose padding exceeds RegroupNum / RegroupDen    *)
+(* (Holdable): held groups stay in B and regroup with the next arrivals,   *)
+(* where lengths are denser. It holds the holdable groups in walk order    *)
+(* while their cumulative size stays <= Depth (a prefix: the first one     *)
+(* that does not fit ends it, later ones are kept), so |H| <= D. If every  *)
+(* group would be held, none is. Held samples do not count toward the      *)
+(* buffer or the depth until the next emitting round (so a hold never      *)
+(* shrinks the next buffer), and a rank with fewer kept groups than T      *)
 (* emits held groups (in walk order) before it splits any.                 *)
 SumLen(r, g) == SumSeq([k \in DOMAIN g |-> Length[r][g[k]]])
 Sparse(r, g) == LET area == MaxLen(r, g) * Len(g) IN (area - SumLen(r, g)) * RegroupDen > RegroupNum * area
 Holdable(r, g) == RegroupDen > 0 /\ ~Drained(r) /\ Len(g) >= 2 /\ Range(g) \cap H[r] = {} /\ Sparse(r, g)
-HoldIdx(r, gs) == LET h == {i \in DOMAIN gs : Holdable(r, gs[i])} IN IF h = DOMAIN gs THEN {} ELSE h
+\* the holdable groups in walk order, cut at cumulative size Depth (a prefix: sizes are positive)
+CapHeld(gs, hd) == {i \in hd : SumSeq([k \in 1..i |-> IF k \in hd THEN Len(gs[k]) ELSE 0]) <= Depth}
+HoldIdx(r, gs) ==
+    CHOOSE h \in {IF c = DOMAIN gs THEN {} ELSE c
+                  : c \in {CapHeld(gs, hd) : hd \in {{i \in DOMAIN gs : Holdable(r, gs[i])}}}} : TRUE
 Pick(gs, idx) == LET ks == SelectSeq([i \in 1..Len(gs) |-> i], LAMBDA i : i \in idx) IN [k \in 1..Len(ks) |-> gs[ks[k]]]
 \* the held indices still held once a rank with fewer than T kept groups took back what it needs
 StillHeld(gs, h, T) ==
@@ -315,10 +326,16 @@ NoLeak ==
         /\ Q[r] \cap Range(B[r]) = {} /\ Q[r] \cap E[r] = {} /\ Range(B[r]) \cap E[r] = {}
         /\ Remaining(r) \cup Q[r] \cup Range(B[r]) \cup E[r] = Views(r)
 
-\* Held samples (H) do not count toward D; they are at most D more.
-DepthBound == \A r \in Ranks : Cardinality(Q[r]) + Len(B[r]) - Cardinality(H[r]) <= Depth
+\* Memory: a rank holds at most 2D samples in Q and B, at most D of them held (HeldOK);
+\* with regroup off (H always empty) at most D. Inductive: a fetch leaves
+\* |Q| + |B \ H| <= D, so |Q| + |B| <= D + |H| <= 2D; a gather only shrinks B and
+\* holds at most D samples; chaining empties both. (|Q| + |B \ H| <= D does not hold:
+\* a sample released from H but not emitted counts toward D again.)
+DepthBound == \A r \in Ranks :
+    /\ Cardinality(Q[r]) + Len(B[r]) <= 2 * Depth
+    /\ (RegroupDen = 0 => Cardinality(Q[r]) + Len(B[r]) <= Depth)
 
-\* Regroup: held samples are buffered samples, at most D of them.
+\* Regroup: held samples are buffered samples, at most D of them (HoldIdx's cap).
 HeldOK == \A r \in Ranks : H[r] \subseteq Range(B[r]) /\ Cardinality(H[r]) <= Depth
 
 \* P2 Lockstep: every rank emitted the same number of items in the last round.
