@@ -2,7 +2,8 @@
 
 Exits non-zero when any configuration does not produce its expected outcome, a
 mutant survives TLC or hypothesis, a clean trace is rejected or a mutant trace
-accepted, or a state space differs.
+accepted, a state space differs, or a ``reach`` check fails (simulation at W <= 8,
+the progress invariants, inductiveness: :mod:`model_checks.reach`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 from model_checks import conformance
 from model_checks import traces as trace_validation
 from model_checks.mutation import hunt
+from model_checks.reach import check_reach
 from model_checks.suites import configs, run_config
 from model_checks.tla import sany
 from model_checks.mutants import MUTANTS
@@ -40,7 +42,10 @@ def check(
     one subdirectory per scenario, or the logs themselves) to replay with every invariant.
 
     ``select`` picks TLC configurations and ``scenarios`` the core-vs-spec state-space
-    scenarios by glob; ``state_space_equal`` is None when no scenario was picked."""
+    scenarios by glob; ``state_space_equal`` is None when no scenario was picked. The
+    ``reach`` object (simulation at W <= 8, progress, inductiveness:
+    :func:`model_checks.reach.check_reach`) holds the ``reach_*`` checks ``select`` picks,
+    None when none; ``deep`` runs its longer slice."""
     def say(msg: str) -> None:
         if progress:
             print(msg, flush=True)
@@ -93,6 +98,7 @@ def check(
         if not v.accepted and ",".join(v.reasons) not in rejected_by[m]:
             rejected_by[m].append(",".join(v.reasons))
 
+    reach = check_reach(deep=deep, select=select, say=say)
     real = None if real_traces is None else replay_real_traces(real_traces)
     conf = {
         "traces_checked": len(clean),
@@ -113,12 +119,14 @@ def check(
         and conf["mutant_traces_rejected"] == conf["mutant_traces"]
         and conf["state_space_equal"] is not False
         and (real is None or real["accepted"] == real["checked"])
+        and (reach is None or reach["ok"])
     )
     return {
         "ok": ok,
         "configs": [r.to_json() for r in results],
         "mutants": mutants,
         "conformance": conf,
+        "reach": reach,
         "seconds": round(time.perf_counter() - started, 1),
     }
 

@@ -109,8 +109,12 @@ def read_lengths(path: str | Path) -> list[int]:
 
 def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("check", help="model-check the spec with TLC, hunt mutants, check core/spec conformance")
-    p.add_argument("--deep", action="store_true", help="also run the deep suite (larger constants, minutes)")
-    p.add_argument("--select", default="*", help="only configurations whose name matches this glob")
+    p.add_argument("--deep", action="store_true",
+                   help="also run the deep suite (larger constants) and the long reach slice (36 simulated "
+                        "models, every quick configuration with the progress invariants, larger inductive domains)")
+    p.add_argument("--select", default="*",
+                   help="only configurations whose name matches this glob (reach_* are the simulation, "
+                        "progress and inductiveness checks)")
     p.add_argument("--scenarios", default="*",
                    help="only core-vs-spec state-space scenarios whose name matches this glob")
     p.add_argument("--traces", type=int, default=520, help="simulator traces to replay under TLC (default 520)")
