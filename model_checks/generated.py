@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from model_checks.conformance import to_tla
 from model_checks.tla import SPEC_DIR, jar_path, java
 
 #: every invariant of ODB
@@ -31,19 +32,6 @@ SPEC_MODULES = ("ODB.tla", "MC.tla", "Progress.tla", "Reach.tla", "Inductive.tla
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-def to_tla(v: Any) -> str:
-    """TLA+ text of a constant (tuples as sequences)."""
-    if isinstance(v, bool):
-        return "TRUE" if v else "FALSE"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, str):
-        return '"' + v + '"'
-    if isinstance(v, tuple):
-        return "<<" + ", ".join(map(to_tla, v)) + ">>"
-    raise TypeError(f"no TLA+ form for {v!r}")
 
 
 @dataclass(frozen=True)

@@ -286,12 +286,10 @@ class EpochDriver:
     def _record_gather(self, proto: RankProtocol, target: int, ended: bool) -> None:
         if self.trace is None:
             return
-        status = proto.status
+        status = proto.status or Status.WAITING
         quota = self.quota or QuotaTracker(0)
         self.trace.append({
-            "ev": "gather", "round": proto.round - (0 if ended else 1),
-            "status": {Status.READY: "ready", Status.WAITING: "waiting", Status.FINISHED: "finished"}.get(
-                status, "waiting") if status is not None else "waiting",
+            "ev": "gather", "round": proto.round - (0 if ended else 1), "status": status.name.lower(),
             "grouping": proto.grouping if status is Status.READY else [], "target": target, "ended": ended,
             "out": [list(o) for o in self.last_out], "held": sorted(proto.held),
             "consumed": quota.emitted, "last_step": quota.last_step, "done": self.done,
