@@ -54,7 +54,7 @@ class SyntheticDataset(Dataset):  # type: ignore[type-arg]
 
 def make_dataset(kind: str, n: int) -> Dataset[Any]:
     if kind == "chat":
-        from odb_torch.demo.chat_data import ChatDataset
+        from odb_tools.demo.chat_data import ChatDataset
 
         full = ChatDataset()
         return full.subset([i % len(full) for i in range(n)]) if n != len(full) else full
@@ -148,7 +148,7 @@ def main() -> None:
     from odb_core.grouping import form_groups
 
     if a.data == "chat":
-        from odb_torch.demo.chat_data import ChatDataset
+        from odb_tools.demo.chat_data import ChatDataset
 
         full = ChatDataset().lengths()
         lengths = [full[i % len(full)] for i in range(a.samples)]

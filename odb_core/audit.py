@@ -1,6 +1,6 @@
 """Audits of a simulated epoch: coverage, lockstep, batch shapes and costs.
 
-Measures follow DESIGN.md "Measures": padding fraction = 1 - sum real tokens /
+Measures (as README.md's "Measured" reports them): padding fraction = 1 - sum real tokens /
 sum (max len x size); samples/update; alignment overhead = steps per rank with
 alignment / mean groups per rank when each rank groups alone - 1; gather payload
 = bytes one rank sends per round.

@@ -1,4 +1,4 @@
-"""Named, seeded sample-length distributions (fits to the paper's Table 9; DESIGN.md)."""
+"""Named, seeded sample-length distributions (fits to the paper's Table 9)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """ODB's PyTorch adapter: the production DataLoader over :mod:`odb_core`.
 
 ``from odb_torch import ODBDataLoader, pad_collate``. Importing this package does not import
-torch until the loader is used, so the ``odb`` command's core-only subcommands
-stay light.
+torch until the loader is used. It holds only what runs in training (the loader, its
+collate process, windows, schedules, losses, step info, collates, trainer adapters) and
+imports only :mod:`odb_core`; the ``odb`` command and its tools live in :mod:`odb_tools`.
 """
 
 from __future__ import annotations

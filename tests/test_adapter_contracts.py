@@ -56,7 +56,7 @@ def make_args(tmp_path, **kw):
     ({"warmup_steps": 5}, "schedules by samples seen"),
 ])
 def test_hf_trainer_refuses_step_counted_settings(tiny, tmp_path, setting, message):
-    from odb_torch.demo.synthetic import TokenDataset
+    from odb_tools.demo.synthetic import TokenDataset
     from odb_torch.integrations.hf import ODBTrainer
 
     with pytest.raises(ValueError, match=message):
@@ -66,7 +66,7 @@ def test_hf_trainer_refuses_step_counted_settings(tiny, tmp_path, setting, messa
 def test_hf_trainer_loss_token_mismatch_is_named(tiny, tmp_path):
     """A loader counting other tokens than the loss sums over: LossTokenMismatchError, not silently wrong weights."""
     from odb_core.errors import LossTokenMismatchError
-    from odb_torch.demo.synthetic import TokenDataset
+    from odb_tools.demo.synthetic import TokenDataset
     from odb_torch.integrations.hf import ODBTrainer
 
     from torch_support import every_token_counts
@@ -80,7 +80,7 @@ def test_hf_trainer_loss_token_mismatch_is_named(tiny, tmp_path):
 
 def test_hf_trainer_missing_checkpoint_state_is_named(tiny, tmp_path):
     from odb_core.errors import CheckpointStateError
-    from odb_torch.demo.synthetic import TokenDataset
+    from odb_tools.demo.synthetic import TokenDataset
     from odb_torch.integrations.hf import ODBTrainer
 
     trainer = ODBTrainer(model=tiny, args=make_args(tmp_path, num_train_epochs=1, save_strategy="no"),

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from odb_torch import baselines
-from odb_torch.bench_batching import shape
+from odb_tools import baselines
+from odb_tools.bench_batching import shape
 
-ODB = [sys.executable, "-m", "odb_torch.cli"]
+ODB = [sys.executable, "-m", "odb_tools.cli"]
 
 
 def run(*args: str, timeout: float = 600) -> str:
@@ -56,7 +56,7 @@ def test_bench_batching_json_rows():
 def test_reference_package_alignment_runs_live_on_gloo_ranks_and_emits_every_view():
     pytest.importorskip("odb.grouping", reason="online-dynamic-batching comes with the dev and bench extras")
     from odb_core.distributions import sample_lengths
-    from odb_torch.reference_alignment import reference_alignment
+    from odb_tools.reference_alignment import reference_alignment
 
     lengths = sample_lengths("sharegpt4o", 3000, 0)
     live = reference_alignment(lengths, 8192, world=2, buffer_size=256, timeout=300)
@@ -70,7 +70,7 @@ def test_reference_package_alignment_runs_live_on_gloo_ranks_and_emits_every_vie
 def test_lhotse_rows_cover_every_sample_within_its_duration_budget():
     pytest.importorskip("lhotse", reason="lhotse comes with the dev and bench extras")
     from odb_core.distributions import sample_lengths
-    from odb_torch.bench_batching import lhotse_groups
+    from odb_tools.bench_batching import lhotse_groups
 
     lengths = sample_lengths("llava", 3000, 0)
     result = lhotse_groups(lengths, 8192)

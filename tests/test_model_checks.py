@@ -92,7 +92,7 @@ def test_mutated_core_traces_are_rejected():
 
 def test_odb_check_json_shape():
     out = subprocess.run(
-        [sys.executable, "-m", "odb_torch.cli", "check", "--json", "--select", "mutant_no_chain", "--traces", "12",
+        [sys.executable, "-m", "odb_tools.cli", "check", "--json", "--select", "mutant_no_chain", "--traces", "12",
          "--mutant-traces", "2", "--hunt-examples", "500", "--scenarios", "join_2x4"],
         capture_output=True, text=True, timeout=600,
     )

@@ -77,7 +77,7 @@ def test_invariants_are_inductive_and_the_strengthening_is_needed():
 
 def test_odb_check_json_has_the_reach_object():
     out = subprocess.run(
-        [sys.executable, "-m", "odb_torch.cli", "check", "--json", "--select", "reach_inductive_old_depth_bound",
+        [sys.executable, "-m", "odb_tools.cli", "check", "--json", "--select", "reach_inductive_old_depth_bound",
          "--traces", "0", "--mutant-traces", "0", "--hunt-examples", "0", "--scenarios", "none"],
         capture_output=True, text=True, timeout=600,
     )

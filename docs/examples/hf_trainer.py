@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from odb_torch.demo.synthetic import TokenDataset
+from odb_tools.demo.synthetic import TokenDataset
 from odb_torch.integrations.hf import ODBTrainer
 
 

@@ -20,8 +20,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from odb_torch.demo.model import ModelConfig, TinyCausalLM
-from odb_torch.demo.synthetic import TokenDataset
+from odb_tools.demo.model import ModelConfig, TinyCausalLM
+from odb_tools.demo.synthetic import TokenDataset
 from odb_torch.integrations.lightning import ODBLightningCallback
 
 

@@ -1,7 +1,10 @@
-"""The ``odb`` command line.
+"""The ``odb`` command line (also ``python -m odb_tools``).
 
 ``odb simulate`` drives the in-process simulator of :mod:`odb_core`; ``odb check``
-runs the model checks of :mod:`model_checks`. Neither imports torch.
+runs the model checks of :mod:`model_checks`. Neither imports torch. ``odb demo``,
+``odb bench batching`` and ``odb profile`` run :mod:`odb_tools.demo`,
+:mod:`odb_tools.bench_batching` and :mod:`odb_tools.profile`. Each subcommand imports
+what it runs only when it runs.
 """
 
 from __future__ import annotations
@@ -151,8 +154,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from odb_torch.demo import run_demo
-    from odb_torch.demo.report import table
+    from odb_tools.demo import run_demo
+    from odb_tools.demo.report import table
 
     summary = run_demo(quick=args.quick, results=args.results, world=args.world, samples=args.samples,
                        seed=args.seed, progress=not args.json)
@@ -192,7 +195,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def _bench_batching(args: argparse.Namespace) -> int:
-    from odb_torch.bench_batching import markdown, run
+    from odb_tools.bench_batching import markdown, run
 
     rows = run(samples=args.samples, budgets=args.budgets, worlds=args.worlds, buffer_size=args.buffer_size,
                distributions=[d for d in args.distributions.split(",") if d], seed=args.seed,
@@ -221,12 +224,12 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
 
 def _profile(args: argparse.Namespace) -> int:
     from odb_core.distributions import DISTRIBUTIONS, sample_lengths
-    from odb_torch.profile import DEFAULT_BUDGETS, jsonl_lengths, markdown, profile
+    from odb_tools.profile import DEFAULT_BUDGETS, jsonl_lengths, markdown, profile
 
     if (args.step_fixed is None) != (args.step_per_token is None):
         raise SystemExit("odb profile: give both --step-fixed and --step-per-token, or neither")
     if args.chat:
-        from odb_torch.demo.chat_data import ChatDataset
+        from odb_tools.demo.chat_data import ChatDataset
 
         lengths = ChatDataset(max_length=args.max_length or 1 << 20).lengths()
     elif args.jsonl:

