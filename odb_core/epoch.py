@@ -38,7 +38,7 @@ from odb_core.config import ODBConfig
 from odb_core.errors import ConfigMismatchError, NonJoinStalledError, ProtocolStateError
 from odb_core.protocol import CHAIN_STRIDE, Plan, RankProtocol, Step
 from odb_core.quota import QuotaTracker
-from odb_core.wire import Status
+from odb_core.wire import HeaderGather, Status, StepGather
 
 HELLO_MAGIC = 0x0DB1
 """First value of the handshake vector (a peer running another wire format is caught)."""
@@ -196,7 +196,7 @@ class EpochDriver:
         """The header vector of this round (all_gather it)."""
         return self._proto().begin_round()
 
-    def on_headers(self, gathered: Sequence[Sequence[int]]) -> Plan:
+    def on_headers(self, gathered: Sequence[Sequence[int]] | HeaderGather) -> Plan:
         """Decide the round from every rank's header. ``plan.done``: the logical iteration
         ended; the epoch ends with it (join, or the quota reached) or the next iteration
         is chained (:attr:`sampler_epoch`). Raises :class:`NonJoinStalledError` if a
@@ -210,7 +210,7 @@ class EpochDriver:
             self._record_gather(proto, target=0, ended=False)
         return plan
 
-    def on_steps(self, gathered: Sequence[Sequence[int]]) -> list[Output]:
+    def on_steps(self, gathered: Sequence[Sequence[int]] | StepGather) -> list[Output]:
         """Emit the round's items; return what the trainer gets, in order: every item up to
         the one that reaches the quota (non-join), none of this rank's idle items after its
         :class:`LoopEnd` (``skip_idle``)."""
@@ -223,7 +223,7 @@ class EpochDriver:
             if self.done and self._stops_at_quota():
                 break  # the quota was reached earlier in this round: the rest is not consumed
             if not self.loop_ended:
-                out.append(Delivery(s, self.next_step, tuple(self.kept[p] for p in s.positions)))
+                out.append(Delivery(s, self.next_step, tuple(map(self.kept.__getitem__, s.positions))))
             self.next_step += 1
             if self.quota is not None:
                 self.quota.add(self._quota_count(s))

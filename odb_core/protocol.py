@@ -28,8 +28,8 @@ from odb_core.alignment import TARGET_POLICIES, align
 from odb_core.config import ODBConfig
 from odb_core.errors import InvalidSampleError, PeerInconsistencyError, ProtocolStateError
 from odb_core.grouping import check_length, group_buffer, hold_sparse
-from odb_core.loss import rank_weight
-from odb_core.wire import Header, Status, decode_headers, decode_steps, encode_steps
+from odb_core.loss import round_denominators, share
+from odb_core.wire import Header, HeaderGather, Status, StepGather, encode_steps
 
 
 CHAIN_STRIDE = 1 << 20
@@ -86,6 +86,11 @@ class Step:
         return float(self.weight * self.world)
 
 
+def _mean_tokens(headers: Sequence[Header]) -> list[Fraction]:
+    """Each rank's pre-alignment loss tokens per sample (``loss_scaling="approx"``)."""
+    return [Fraction(h.tokens, h.samples) if h.samples else Fraction(0) for h in headers]
+
+
 class RankProtocol:
     """One rank's ODB state machine for one logical iteration.
 
@@ -126,7 +131,7 @@ class RankProtocol:
         self._held: set[int] = set()  # H: positions held back at the last emitting round
         self._regroup = config.regroup_fraction  # exact threshold, computed once
         self._header: Header | None = None
-        self._headers: list[Header] = []
+        self._headers: HeaderGather = HeaderGather((), iteration, -1)
         self._pending: list[list[int]] = []
         self._dropped: list[int] = []
         self._step_vector: list[int] | None = None
@@ -260,19 +265,26 @@ class RankProtocol:
         return self._header.encode()
 
     # ---- 4. align ------------------------------------------------------------------
-    def on_headers(self, gathered: Sequence[Sequence[int]]) -> Plan:
-        """Decide the round from every rank's header (identical on all ranks, P2)."""
+    def on_headers(self, gathered: Sequence[Sequence[int]] | HeaderGather) -> Plan:
+        """Decide the round from every rank's header (identical on all ranks, P2).
+
+        ``gathered``: the gathered header vectors, or a :class:`HeaderGather` already
+        decoded from them (one decoding shared by simulated ranks); one decoded for another
+        world, iteration or round is decoded again here, as raw vectors would be.
+        """
         self._require(Phase.HEADER_SENT, "on_headers")
-        headers = decode_headers(gathered, self.world, self.iteration, self.round)
+        if not (isinstance(gathered, HeaderGather) and gathered.belongs_to(self.world, self.iteration, self.round)):
+            vectors = gathered.encode() if isinstance(gathered, HeaderGather) else gathered
+            gathered = HeaderGather.decode(vectors, self.world, self.iteration, self.round)
+        headers = gathered
         assert self._header is not None
         if headers[self.rank] != self._header:
             raise PeerInconsistencyError(f"rank {self.rank}: gathered header differs from the one sent")
         self._headers = headers
-        statuses = [h.status for h in headers]
         if self.config.mode == "join":
-            done = all(s is Status.FINISHED for s in statuses)
+            done = headers.finished == len(headers)
         else:
-            done = any(s is Status.FINISHED for s in statuses)
+            done = headers.finished > 0
         if done:
             self.phase = Phase.DONE
             return Plan(target=0, done=True, step_vector=None)
@@ -298,45 +310,60 @@ class RankProtocol:
             self._pending = emitted
         else:
             self._pending = [[] for _ in range(target)]
-        items = [(len(g), sum(self._tokens[p] for p in g)) for g in self._pending]
+        tokens_of = self._tokens.__getitem__
+        items = [(len(g), sum(map(tokens_of, g))) for g in self._pending]
         self._step_vector = encode_steps(items)
         self.phase = Phase.STEPS_SENT
         return Plan(target=target, done=False, step_vector=list(self._step_vector))
 
     # ---- 5. emit -------------------------------------------------------------------
-    def on_steps(self, gathered: Sequence[Sequence[int]]) -> list[Step]:
-        """Emit this round's items (B -> E) with their global accounting."""
+    def on_steps(self, gathered: Sequence[Sequence[int]] | StepGather) -> list[Step]:
+        """Emit this round's items (B -> E) with their global accounting.
+
+        ``gathered``: the gathered step vectors, or a :class:`StepGather` decoded from them
+        against this round's headers and target (shared by simulated ranks); one decoded
+        against anything else is decoded again here, as raw vectors would be.
+        """
         self._require(Phase.STEPS_SENT, "on_steps")
         target = len(self._pending)
-        per_rank = decode_steps(gathered, self._headers, target)
-        if [v for pair in per_rank[self.rank] for v in pair] != self._step_vector:
+        if not (isinstance(gathered, StepGather) and gathered.belongs_to(self._headers, target)):
+            vectors = gathered.vectors if isinstance(gathered, StepGather) else gathered
+            gathered = StepGather(vectors, self._headers, target)
+        mine = gathered.vector(self.rank)
+        if mine != self._step_vector:
             raise PeerInconsistencyError(f"rank {self.rank}: gathered step vector differs from the one sent")
-        mean_tokens = ([Fraction(h.tokens, h.samples) if h.samples else Fraction(0) for h in self._headers]
-                       if self.config.loss_scaling == "approx" else [])
+        mode = self.config.loss_scaling
+        mean_tokens = self._headers.derived(_mean_tokens) if mode == "approx" else []
+        mean = mean_tokens[self.rank] if mode == "approx" else Fraction(0)
+        steps_gather = gathered
+        denominators = gathered.derived(("weight_denominators", mode), lambda: round_denominators(
+            mode, self.world, steps_gather.global_samples, steps_gather.global_tokens, steps_gather.columns,
+            mean_tokens))
         steps: list[Step] = []
+        length_of, arrived_in, view_of = self._length.__getitem__, self._arrival_round.__getitem__, self.views.__getitem__
+        budget = self.config.token_budget
         for i, group in enumerate(self._pending):
-            samples = [per_rank[r][i][0] for r in range(self.world)]
-            tokens = [per_rank[r][i][1] for r in range(self.world)]
-            weight = rank_weight(self.config.loss_scaling, samples, tokens, mean_tokens, self.rank)
-            lengths = tuple(self._length[p] for p in group)
-            for p in group:
-                self.max_wait_rounds = max(self.max_wait_rounds, self.round - self._arrival_round[p])
+            local_samples, local_tokens = mine[2 * i], mine[2 * i + 1]
+            weight = share(mode, local_samples, local_tokens, mean, denominators[i])
+            lengths = tuple(map(length_of, group))
+            if group:
+                self.max_wait_rounds = max(self.max_wait_rounds, self.round - min(map(arrived_in, group)))
             steps.append(
                 Step(
                     iteration=self.iteration,
                     round=self.round,
                     index=i,
                     positions=tuple(group),
-                    identities=tuple(self.views[p] for p in group),
+                    identities=tuple(map(view_of, group)),
                     lengths=lengths,
                     is_idle=not group,
-                    local_samples=samples[self.rank],
-                    global_samples=sum(samples),
-                    local_tokens=tokens[self.rank],
-                    global_tokens=sum(tokens),
+                    local_samples=local_samples,
+                    global_samples=gathered.global_samples[i],
+                    local_tokens=local_tokens,
+                    global_tokens=gathered.global_tokens[i],
                     weight=weight,
                     world=self.world,
-                    over_budget=sum(1 for n in lengths if n > self.config.token_budget),
+                    over_budget=sum(n > budget for n in lengths) if lengths and max(lengths) > budget else 0,
                 )
             )
             self._remove(group)
@@ -357,9 +384,10 @@ class RankProtocol:
         """The header says FINISHED: R, Q and B are empty (P4 rests on this)."""
         return drained and not self._length
 
-    def _target(self, headers: Sequence[Header]) -> int:
-        """T for this round, from every rank's header (the configured target policy)."""
-        return self._target_policy(headers)
+    def _target(self, headers: HeaderGather) -> int:
+        """T for this round, from every rank's header (the configured target policy; a pure
+        function of the headers, so computed once per gather however many ranks share it)."""
+        return headers.derived(self._target_policy)
 
     def _settle_overflow(self, emitted: list[list[int]],
                          recirculated: list[list[int]]) -> tuple[list[list[int]], list[int]]:
@@ -378,10 +406,11 @@ class RankProtocol:
 
     # ---- helpers -------------------------------------------------------------------
     def _remove(self, group: list[int]) -> None:
+        length, arrival, arrival_round = self._length, self._arrival, self._arrival_round
         for p in group:
-            del self._length[p], self._arrival[p], self._arrival_round[p]
-            self._buffer_tokens -= self._tokens.pop(p)
-            self._emitted.append(p)
+            del length[p], arrival[p], arrival_round[p]
+        self._buffer_tokens -= sum(map(self._tokens.pop, group))
+        self._emitted.extend(group)
 
     def _end_round(self) -> None:
         self._pending = []

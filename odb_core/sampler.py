@@ -30,6 +30,13 @@ def padded_order(order: Sequence[int], world: int) -> list[int]:
     return out
 
 
+def shard_all(order: Sequence[int], world: int) -> list[list[int]]:
+    """Every rank's views, ``[shard_views(order, world, r) for r in range(world)]``, padding
+    the order once (O(N), not O(N x W))."""
+    padded = padded_order(order, world)
+    return [padded[rank::world] for rank in range(world)]
+
+
 def shard_views(order: Sequence[int], world: int, rank: int) -> list[int]:
     """Rank ``rank``'s views: ``padded_order(order, world)[rank::world]``."""
     if not 0 <= rank < world:

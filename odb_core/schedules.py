@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from odb_core.sampler import shard_views
+from odb_core.sampler import shard_all
 
 SCHEDULES = ("in_order", "random", "straggler", "empty_rank", "uneven")
 
@@ -27,13 +27,13 @@ def shard(order: Sequence[int], world: int, schedule: str, seed: int) -> list[li
     """
     check_schedule(schedule)
     if schedule == "empty_rank" and world > 1:
-        return [shard_views(order, world - 1, r) for r in range(world - 1)] + [[]]
+        return [*shard_all(order, world - 1), []]
     if schedule == "uneven" and 1 < world <= len(order):
         rng = random.Random(f"odb-uneven:{seed}:{len(order)}:{world}")
         cuts = sorted(rng.sample(range(1, len(order)), world - 1))
         bounds = [0, *cuts, len(order)]
         return [list(order[bounds[r] : bounds[r + 1]]) for r in range(world)]
-    return [shard_views(order, world, r) for r in range(world)]
+    return shard_all(order, world)
 
 
 def deliver(schedule: str, rank: int, world: int, pipeline: list[int], rng: random.Random) -> list[int]:

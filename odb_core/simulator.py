@@ -11,7 +11,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from odb_core.config import ODBConfig
 from odb_core.epoch import Delivery, EpochDriver
@@ -20,7 +20,7 @@ from odb_core.protocol import RankProtocol, Step
 from odb_core.quota import QuotaTracker
 from odb_core.sampler import permutation
 from odb_core.schedules import check_schedule, deliver, shard
-from odb_core.wire import payload_bytes
+from odb_core.wire import HeaderGather, StepGather, payload_bytes
 
 
 Observer = Callable[[list[RankProtocol]], None]
@@ -82,14 +82,35 @@ def gather_round(drivers: Sequence[EpochDriver]) -> tuple[bool, list[list[Step]]
 
     Returns ``(iteration_ended, delivered_steps_per_rank)``: in non-join mode the
     drivers deliver steps in order until the quota is reached (P5).
+
+    Each gather is decoded once, as rank 0 decodes it, and the decoded value is handed to
+    every rank (a round costs O(W x T), not O(W^2 x T)); a rank for which it is not the
+    decoding of its own gather decodes the vectors itself (:meth:`RankProtocol.on_headers`),
+    and a gather that fails to decode goes to every rank raw, so each rank raises what it
+    would raise alone. Every decision is the rank's, as with raw vectors.
     """
-    headers = [d.begin_round() for d in drivers]
-    plans = [d.on_headers(headers) for d in drivers]
+    vectors = [d.begin_round() for d in drivers]
+    p = drivers[0].protocol
+    headers = _shared(lambda: HeaderGather.decode(vectors, len(drivers), p.iteration, p.round) if p else None)
+    plans = [d.on_headers(vectors if headers is None else headers) for d in drivers]
     if plans[0].done or plans[0].step_vector is None:
         return plans[0].done, [[] for _ in drivers]
-    vectors = [plan.step_vector or [] for plan in plans]
-    outs = [d.on_steps(vectors) for d in drivers]
+    step_vectors = [plan.step_vector or [] for plan in plans]
+    steps = _shared(lambda: StepGather(step_vectors, headers, len(step_vectors[0]) // 2) if headers else None)
+    outs = [d.on_steps(step_vectors if steps is None else steps) for d in drivers]
     return False, [[o.step for o in out if isinstance(o, Delivery)] for out in outs]
+
+
+_G = TypeVar("_G")
+
+
+def _shared(decode: Callable[[], _G | None]) -> _G | None:
+    """A gather decoded once for every rank, or None if it does not decode (the ranks then
+    get the raw vectors and each raises its own error, as in a real run)."""
+    try:
+        return decode()
+    except Exception:  # noqa: BLE001 - whatever it is, every rank meets it again in its own decoding
+        return None
 
 
 def simulate(

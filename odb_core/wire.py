@@ -15,13 +15,23 @@ of groups emitted, not with buffer_size (the paper's sends 2 + 2 x buffer_size).
 
 Peer data is never trusted: decoders raise :class:`WireFormatError` on malformed
 vectors and :class:`PeerInconsistencyError` on self-contradicting ones.
+
+A round's gathers decode into :class:`HeaderGather` and :class:`StepGather`, immutable
+values that a rank builds once per round (O(W) and O(W x T)). The in-process simulator
+decodes each gather once and hands the same value to every simulated rank, so a round
+costs it O(W x T) rather than O(W^2 x T); each rank still checks that the value is the
+decoding of its own gather (its iteration, round, headers and target) and that its own
+vector is in it, and decodes the raw vectors itself otherwise.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import struct
+from collections.abc import Callable, Iterator, Sequence
 from enum import IntEnum
+from functools import lru_cache
+from itertools import chain
+from typing import Any, NamedTuple, TypeVar, overload
 
 from odb_core.errors import PeerInconsistencyError, WireFormatError
 
@@ -38,9 +48,12 @@ class Status(IntEnum):
     FINISHED = 2  # R, Q and B are all empty
 
 
-@dataclass(frozen=True, slots=True)
-class Header:
-    """One rank's round header (decoded)."""
+_STATUS = {int(s): s for s in Status}
+_T = TypeVar("_T")
+
+
+class Header(NamedTuple):
+    """One rank's round header (decoded; immutable)."""
 
     iteration: int
     round: int
@@ -59,19 +72,19 @@ def _check_ints(vector: Sequence[int], what: str, length: int) -> list[int]:
     if len(vector) != length:
         raise WireFormatError(f"{what}: expected {length} int64 values, got {len(vector)}")
     out = [int(v) for v in vector]
-    for i, v in enumerate(out):
-        if not 0 <= v <= INT64_MAX:
-            raise WireFormatError(f"{what}: field {i} is {v}, outside [0, 2^63)")
+    if out and (min(out) < 0 or max(out) > INT64_MAX):  # C-level scan; name the first bad field
+        for i, v in enumerate(out):
+            if not 0 <= v <= INT64_MAX:
+                raise WireFormatError(f"{what}: field {i} is {v}, outside [0, 2^63)")
     return out
 
 
 def decode_header(vector: Sequence[int], rank: int) -> Header:
     """Decode and check rank ``rank``'s header; raise if malformed or self-contradicting."""
     it, rnd, status_code, groups, capacity, samples, tokens = _check_ints(vector, f"rank {rank} header", HEADER_LEN)
-    try:
-        status = Status(status_code)
-    except ValueError:
-        raise WireFormatError(f"rank {rank} header: unknown status {status_code}") from None
+    status = _STATUS.get(status_code)
+    if status is None:
+        raise WireFormatError(f"rank {rank} header: unknown status {status_code}")
     if status is Status.FINISHED and (groups or samples or tokens):
         raise PeerInconsistencyError(
             f"rank {rank} reports finished while holding {samples} samples in {groups} groups"
@@ -87,12 +100,102 @@ def decode_headers(vectors: Sequence[Sequence[int]], world: int, iteration: int,
     """Decode every rank's header and check they all belong to this iteration and round."""
     if len(vectors) != world:
         raise WireFormatError(f"header gather: expected {world} vectors, got {len(vectors)}")
+    try:
+        return _headers_fast(vectors, iteration, rnd)
+    except Exception:  # noqa: BLE001 - the rank-by-rank decoding below names what is wrong
+        pass
     headers = [decode_header(v, r) for r, v in enumerate(vectors)]
     for r, h in enumerate(headers):
         if (h.iteration, h.round) != (iteration, rnd):
             raise PeerInconsistencyError(
                 f"rank {r} is at iteration {h.iteration} round {h.round}, expected iteration {iteration} round {rnd}"
             )
+    return headers
+
+
+class HeaderGather(Sequence[Header]):
+    """Every rank's header of one round, decoded and checked (:func:`decode_headers`): a
+    read-only sequence of :class:`Header` with the (iteration, round) it was decoded for.
+
+    Pure functions of the headers (the target policy, the mean tokens per sample) are
+    computed once per gather by :meth:`derived`, so ranks that share one gather (the
+    simulator) share them; every result is what the function returns on the headers.
+    """
+
+    __slots__ = ("headers", "iteration", "round", "finished", "_derived")
+
+    def __init__(self, headers: Sequence[Header], iteration: int, rnd: int) -> None:
+        self.headers = tuple(headers)
+        self.iteration = iteration
+        self.round = rnd
+        self.finished = sum(1 for h in self.headers if h.status is Status.FINISHED)
+        """How many ranks said FINISHED."""
+        self._derived: dict[Any, Any] = {}
+
+    @classmethod
+    def decode(cls, vectors: Sequence[Sequence[int]], world: int, iteration: int, rnd: int) -> "HeaderGather":
+        """Decode and check a header gather (:func:`decode_headers`)."""
+        return cls(decode_headers(vectors, world, iteration, rnd), iteration, rnd)
+
+    def belongs_to(self, world: int, iteration: int, rnd: int) -> bool:
+        """Whether this is a gather of ``world`` headers decoded for ``iteration`` and ``rnd``."""
+        return len(self.headers) == world and self.iteration == iteration and self.round == rnd
+
+    def encode(self) -> list[list[int]]:
+        """The header vectors again (what was gathered, as ints)."""
+        return [h.encode() for h in self.headers]
+
+    def derived(self, fn: Callable[[Sequence[Header]], _T]) -> _T:
+        """``fn(self)``, computed once per gather (``fn`` must be a pure function of the headers)."""
+        try:
+            return self._derived[fn]  # type: ignore[no-any-return]
+        except KeyError:
+            value = self._derived[fn] = fn(self)
+            return value
+
+    def __len__(self) -> int:
+        return len(self.headers)
+
+    @overload
+    def __getitem__(self, index: int) -> Header: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Header, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Header | tuple[Header, ...]:
+        return self.headers[index]
+
+    def __iter__(self) -> Iterator[Header]:
+        return iter(self.headers)
+
+    def __repr__(self) -> str:
+        return f"HeaderGather(iteration={self.iteration}, round={self.round}, headers={list(self.headers)!r})"
+
+
+def _headers_fast(vectors: Sequence[Sequence[int]], iteration: int, rnd: int) -> list[Header]:
+    """:func:`decode_headers` of a well-formed, consistent gather, checked in one pass: the
+    values packed as uint64 (ints in [0, 2^64)) with no top bit set (< 2^63), then each
+    header's status and counts as :func:`decode_header` checks them. Raises on anything
+    else, for the rank-by-rank decoder to report."""
+    if any(len(v) != HEADER_LEN for v in vectors):
+        raise _Slow
+    count = HEADER_LEN * len(vectors)
+    packed = struct.pack(f"<{count}Q", *chain.from_iterable(vectors))
+    if not packed[7::8].isascii():  # a value >= 2^63
+        raise _Slow
+    values = struct.unpack(f"<{count}Q", packed)  # the ints int() gives
+    headers = []
+    for k in range(0, count, HEADER_LEN):
+        it, rn, code, groups, capacity, samples, tokens = values[k:k + HEADER_LEN]
+        status = _STATUS.get(code)
+        if it != iteration or rn != rnd or status is None:
+            raise _Slow
+        if status is Status.READY:
+            if not 1 <= groups <= samples:
+                raise _Slow
+        elif groups or (status is Status.FINISHED and (samples or tokens)):
+            raise _Slow
+        headers.append(Header(it, rn, status, groups, capacity, samples, tokens))
     return headers
 
 
@@ -124,6 +227,102 @@ def decode_steps(
             raise PeerInconsistencyError(f"rank {r} was not ready but sent a non-idle item")
         decoded.append(pairs)
     return decoded
+
+
+@lru_cache(maxsize=32)
+def _packer(n: int) -> struct.Struct:
+    """Packs ``n`` values as little-endian uint64 (ints in [0, 2^64), or ``struct.error``)."""
+    return struct.Struct(f"<{n}Q")
+
+
+_LOW48 = 1 << 48
+
+
+def _step_sums(vectors: Sequence[Sequence[int]], headers: Sequence[Header], target: int) -> list[int]:
+    """Check every rank's step vector as :func:`decode_steps` does; return the sum over ranks
+    of each of the 2T fields (``[samples_0, tokens_0, samples_1, ...]``).
+
+    O(W x T) at C speed: each vector is packed as uint64 (which checks each value's type
+    and range), its sample counts checked against its header, and it is added to the
+    others as one big integer of 2T 64-bit slots: with every value below 2^48 and
+    W <= 2^16 no slot carries into the next, so the big sum holds each field's sum. On any
+    failure (or larger values or worlds) :func:`_step_sums_checked` decides, which
+    raises exactly :func:`decode_steps`'s error (and names the same rank).
+    """
+    n = 2 * target
+    try:
+        if not n or len(vectors) != len(headers) or len(vectors) > 1 << 16 or any(len(v) != n for v in vectors):
+            raise _Slow
+        packer = _packer(n)
+        packed = [packer.pack(*vector) for vector in vectors]
+        joined = b"".join(packed)
+        if joined[6::8].count(0) != len(joined) // 8 or joined[7::8].count(0) != len(joined) // 8:
+            raise _Slow  # a value >= 2^48: slots could carry (and >= 2^63 is an error)
+        zero = bytes(8 * n)
+        total = 0
+        for vector, header, data in zip(vectors, headers, packed):
+            if header.status is Status.READY:
+                samples = vector[0::2]
+                held = sum(samples)
+                if type(held) is not int or held > header.samples or 0 in samples:
+                    raise _Slow
+            elif data != zero:
+                raise _Slow
+            total += int.from_bytes(data, "little")
+    except Exception:  # noqa: BLE001 - the checked path decides and names what is wrong
+        return _step_sums_checked(vectors, headers, target)
+    return list(struct.unpack(f"<{n}Q", total.to_bytes(8 * n, "little")))
+
+
+def _step_sums_checked(vectors: Sequence[Sequence[int]], headers: Sequence[Header], target: int) -> list[int]:
+    """:func:`_step_sums` by :func:`decode_steps` itself (any world, any values)."""
+    pairs = decode_steps(vectors, headers, target)
+    return [sum(column) for column in zip(*([v for pair in rank for v in pair] for rank in pairs))]
+
+
+class _Slow(Exception):
+    """A fast decoder found something its checked twin must look at."""
+
+
+class StepGather:
+    """Every rank's step vector of one round, checked as :func:`decode_steps` checks them
+    against the round's :class:`HeaderGather` and target, with the global sums of each item
+    (what every rank's steps need); a rank reads its own vector with :meth:`vector`."""
+
+    __slots__ = ("headers", "target", "vectors", "global_samples", "global_tokens", "_derived")
+
+    def __init__(self, vectors: Sequence[Sequence[int]], headers: HeaderGather, target: int) -> None:
+        sums = _step_sums(vectors, headers, target)
+        self.headers = headers
+        self.target = target
+        self.vectors = vectors
+        """Per rank, its step vector as gathered."""
+        self.global_samples = sums[0::2]
+        """Per item, the sum of every rank's sample count."""
+        self.global_tokens = sums[1::2]
+        """Per item, the sum of every rank's loss-token count."""
+        self._derived: dict[Any, Any] = {}
+
+    def belongs_to(self, headers: HeaderGather, target: int) -> bool:
+        """Whether this gather was decoded against ``headers`` (the same object) and ``target``."""
+        return self.headers is headers and self.target == target
+
+    def vector(self, rank: int) -> list[int]:
+        """Rank ``rank``'s step vector (ints)."""
+        return [int(v) for v in self.vectors[rank]]
+
+    def columns(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """Per item, every rank's sample counts and every rank's loss-token counts (O(W x T))."""
+        columns = list(zip(*(self.vector(r) for r in range(len(self.vectors)))))
+        return columns[0::2], columns[1::2]
+
+    def derived(self, key: Any, fn: Callable[[], _T]) -> _T:
+        """``fn()`` computed once per gather under ``key`` (``fn`` must be a pure function of the gather)."""
+        try:
+            return self._derived[key]  # type: ignore[no-any-return]
+        except KeyError:
+            value = self._derived[key] = fn()
+            return value
 
 
 def payload_bytes(target: int) -> int:

@@ -1,0 +1,145 @@
+"""The simulator's shared decoding is decision-neutral.
+
+``odb_core.simulator.gather_round`` decodes each gather once and hands the decoded value
+(``HeaderGather`` / ``StepGather``) to every simulated rank, where a rank in a real run
+decodes the raw vectors itself. Every epoch must come out identical either way: every
+step (positions, identities, lengths, counts, weights), every figure of the run, every
+rank's final state and trace events, and the same error where a seeded bug breaks the
+round. The reference below is the per-rank decoding (the raw vectors to every rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import odb_core.simulator as simulator
+import odb_core.wire as wire
+from model_checks.mutants import ADAPTER_MUTANTS, MUTANTS, driver
+from model_checks.strategies import lengths_from_seed
+from odb_core import ODBConfig, simulate
+from odb_core.epoch import Delivery, EpochDriver
+from odb_core.loss import round_denominators, weight_denominator
+from odb_core.schedules import SCHEDULES
+
+
+def per_rank_gather_round(drivers: Sequence[EpochDriver]) -> tuple[bool, list[list[Any]]]:
+    """The round as in a real run: every rank decodes the raw gathered vectors itself."""
+    headers = [d.begin_round() for d in drivers]
+    plans = [d.on_headers(headers) for d in drivers]
+    if plans[0].done or plans[0].step_vector is None:
+        return plans[0].done, [[] for _ in drivers]
+    vectors = [plan.step_vector or [] for plan in plans]
+    outs = [d.on_steps(vectors) for d in drivers]
+    return False, [[o.step for o in out if isinstance(o, Delivery)] for out in outs]
+
+
+def outcome(case: dict[str, Any]) -> Any:
+    """Everything observable of one simulated epoch (or the error it raised)."""
+    events: list[list[dict[str, Any]]] = []
+    try:
+        result = simulate(case["lengths"], case["world"], case["config"], case["schedule"], tokens=case["tokens"],
+                          driver_cls=driver(case["mutant"]), events=events)
+    except Exception as exc:  # noqa: BLE001 - the same error must come out both ways
+        return ("raised", type(exc).__name__, str(exc))
+    states = [(p.rank, p.round, p.iteration, p.emitted, sorted(p.buffered.items()), sorted(p.held),
+               p.max_wait_rounds, p.skip_rounds, p.finished_ranks) for p in result.final_states]
+    return (result.steps, result.shards, result.rounds, result.skip_rounds, result.payload_bytes,
+            result.max_wait_rounds, result.unemitted_views, result.quota_emitted, result.max_step_samples,
+            states, events)
+
+
+@st.composite
+def small_cases(draw: st.DrawFn) -> dict[str, Any]:
+    world = draw(st.integers(1, 7))
+    n = draw(st.one_of(st.integers(0, world + 1), st.integers(0, 150)))
+    budget = draw(st.sampled_from([1, 7, 64, 1000, 4096]))
+    buffer_size = draw(st.integers(1, 12))
+    config = ODBConfig(
+        token_budget=budget,
+        buffer_size=buffer_size,
+        depth=draw(st.one_of(st.none(), st.integers(buffer_size, buffer_size + 16))),
+        mode=draw(st.sampled_from(["join", "non-join"])),
+        loss_scaling=draw(st.sampled_from(["none", "sample", "approx", "exact"])),
+        seed=draw(st.integers(0, 2**16)),
+        target_policy=draw(st.sampled_from(["paper", "all-ready", "balanced"])),
+        overflow_policy=draw(st.sampled_from(["largest", "oldest"])),
+        output_capacity=draw(st.one_of(st.none(), st.integers(1, 6))),
+        regroup_padding=draw(st.sampled_from([None, 0.0, 0.02, 0.1])),
+        shuffle_steps=draw(st.booleans()),
+    )
+    lengths = lengths_from_seed(n, budget, draw(st.integers(0, 2**32)), draw(st.sampled_from([0.0, 0.05])))
+    tokens = None
+    if draw(st.booleans()):
+        tokens = [draw(st.integers(0, length)) if length < 50 else length // (1 + i % 3)
+                  for i, length in enumerate(lengths)]
+    mutant = draw(st.one_of(st.none(), st.sampled_from(sorted({**MUTANTS, **ADAPTER_MUTANTS}))))
+    return {"world": world, "lengths": lengths, "tokens": tokens, "config": config,
+            "schedule": draw(st.sampled_from(SCHEDULES)), "mutant": mutant}
+
+
+@given(small_cases())
+def test_shared_decoding_gives_the_per_rank_decoding_epoch(case):
+    shared = outcome(case)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(simulator, "gather_round", per_rank_gather_round)
+        reference = outcome(case)
+    assert shared == reference
+
+
+CASE = {"world": 5, "lengths": lengths_from_seed(120, 1000, 3, 0.0), "tokens": None,
+        "config": ODBConfig(token_budget=1000, buffer_size=6), "schedule": "random", "mutant": None}
+
+
+def test_simulated_ranks_share_one_decoding_per_gather(monkeypatch):
+    """The sharing is real: a gather is decoded once, not once per rank."""
+    calls = {"headers": 0, "steps": 0}
+    decode, init = wire.HeaderGather.decode.__func__, wire.StepGather.__init__
+
+    def counting_decode(cls, *args):
+        calls["headers"] += 1
+        return decode(cls, *args)
+
+    def counting_init(self, *args):
+        calls["steps"] += 1
+        init(self, *args)
+
+    monkeypatch.setattr(wire.HeaderGather, "decode", classmethod(counting_decode))
+    monkeypatch.setattr(wire.StepGather, "__init__", counting_init)
+    result = simulate(CASE["lengths"], CASE["world"], CASE["config"], CASE["schedule"])
+    assert calls["headers"] == result.rounds
+    emitting = {(s.iteration, s.round) for s in result.steps[0]}  # every rank emits T >= 1 items in those
+    assert calls["steps"] == len(emitting) > 1
+
+
+def test_a_wrong_shared_decoding_is_caught(monkeypatch):
+    """Non-vacuity: shared step sums off by one token make the epochs differ."""
+    reference = outcome(CASE)
+    init = wire.StepGather.__init__
+
+    def off_by_one(self, *args):
+        init(self, *args)
+        self.global_tokens = [t + 1 for t in self.global_tokens]
+
+    monkeypatch.setattr(simulator, "StepGather", type("Wrong", (wire.StepGather,), {"__init__": off_by_one}))
+    assert outcome(CASE) != reference
+
+
+@given(st.sampled_from(["none", "sample", "approx", "exact"]),
+       st.lists(st.tuples(st.integers(0, 2000), st.integers(0, 50)), min_size=1, max_size=9), st.data())
+def test_round_denominators_are_each_steps_weight_denominator(mode, headers, data):
+    """The per-round denominators (global sums; "approx" over a common denominator) equal
+    weight_denominator of each step's per-rank counts, which rank_weight uses."""
+    world = len(headers)
+    mean_tokens = [Fraction(t, s) if s else Fraction(0) for t, s in headers]
+    target = data.draw(st.integers(1, 6))
+    samples = [tuple(data.draw(st.integers(0, 40)) for _ in range(world)) for _ in range(target)]
+    tokens = [tuple(data.draw(st.integers(0, 10**6)) for _ in range(world)) for _ in range(target)]
+    got = round_denominators(mode, world, [sum(c) for c in samples], [sum(c) for c in tokens],
+                             lambda: (samples, tokens), mean_tokens)
+    assert got == [weight_denominator(mode, n, t, mean_tokens) for n, t in zip(samples, tokens)]
