@@ -70,6 +70,11 @@ class CollateFnError(ODBError):
     """The user's ``collate_fn`` raised; names the dataset indices of the group and the rank."""
 
 
+class LoaderStateError(ODBError, RuntimeError):
+    """The loader was driven out of order: ``next()`` on an iterator after ``close()``, or
+    on an iterator superseded by a newer ``iter(loader)`` (one live iterator per loader)."""
+
+
 class CollateProcessError(ODBError):
     """A rank's collate process died or could not start; names the rank and exit code."""
 

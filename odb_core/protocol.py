@@ -212,7 +212,7 @@ class RankProtocol:
     def arrive(self, pos: int, length: int, tokens: int | None = None) -> None:
         """A requested sample came back: Q -> B with its realized length.
 
-        ``tokens`` (loss tokens, default ``length``) must be a non-negative int.
+        ``tokens`` (loss tokens, default ``length``) must be an int in [0, length].
         Raises :class:`InvalidSampleError` naming the dataset index on a bad value,
         :class:`ProtocolStateError` if ``pos`` is not in flight.
         """
@@ -220,11 +220,15 @@ class RankProtocol:
         if pos not in self._inflight:
             raise ProtocolStateError(f"rank {self.rank}: position {pos} arrived but is not in flight")
         what = f"sample {self.views[pos]} (rank {self.rank} view {pos})"
-        check_length(length, what)
+        try:
+            check_length(length, what)
+        except InvalidSampleError as exc:
+            raise InvalidSampleError(str(exc), rank=self.rank, indices=(self.views[pos],)) from None
         if tokens is None:
             tokens = length
-        elif isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise InvalidSampleError(f"{what}: loss tokens must be an int >= 0, got {tokens!r}")
+        elif isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= length:
+            raise InvalidSampleError(f"{what}: loss tokens must be an int in [0, length={length}], got {tokens!r}",
+                                     rank=self.rank, indices=(self.views[pos],))
         self._inflight.discard(pos)
         self._length[pos] = length
         self._tokens[pos] = tokens

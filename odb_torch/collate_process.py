@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,9 +34,10 @@ from torch.utils.data import DataLoader, Dataset
 from odb_core import ODBConfig, ODBError
 from odb_core.epoch import Delivery, EpochDriver, LoopEnd
 from odb_core.errors import CollateFnError, CollateProcessError, InvalidSampleError, PeerError, SampleLoadError
-from odb_torch.messages import Batch, EpochEnd, Failure, StartEpoch, Stop
+from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, encode
+from odb_torch.process_guard import DieWithParent
 from odb_torch.step_info import StepInfo
-from odb_torch.transport import IndexedDataset, Packer, unpack
+from odb_torch.transport import IndexedDataset, PackedChunk, Packer, describe_exception, unpack
 
 MAX_CHUNK = 64
 """At most this many consecutive sampler views are loaded and shipped as one packed chunk."""
@@ -114,6 +116,7 @@ class CollateServer:
         self._trace_file: Any = None
         self._ahead: dict[int, tuple[Any, tuple[int, int]]] = {}  # loaded, not yet fetched (still in R)
         self._template: Any = None  # a sample of this rank, collated for idle items
+        self._loading: Iterator[Any] | None = None  # the current iteration's loads (owns the workers)
 
     # ---- the process ------------------------------------------------------------------
     def serve(self) -> None:
@@ -122,8 +125,8 @@ class CollateServer:
         try:
             store, self.pg = _collate_group(spec)
         except Exception as exc:
-            self.out.put(Failure(PeerError(f"rank {spec.rank}: collate group rendezvous at {spec.init_method} "
-                                           f"failed: {type(exc).__name__}: {exc}", rank=spec.rank)))
+            self.out.put(encode(Failure(PeerError(f"rank {spec.rank}: collate group rendezvous at {spec.init_method} "
+                                                  f"failed: {type(exc).__name__}: {exc}", rank=spec.rank))))
             return
         try:
             while (cmd := self._next_command()) is not None:
@@ -150,6 +153,11 @@ class CollateServer:
         error = exc if isinstance(exc, ODBError) else CollateProcessError(
             f"rank {self.spec.rank}: collate process crashed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}",
             rank=self.spec.rank)
+        if exc.__traceback__ is not None:  # drop the frames' locals: the DataLoader iterator among them
+            traceback.clear_frames(exc.__traceback__)
+        if self._loading is not None:  # shut the DataLoader workers down now (a stuck one included)
+            self._loading.close()  # type: ignore[attr-defined]
+            self._loading = None
         try:
             self._put(Failure(error), watch_ctrl=False)
             # Batches already queued share their tensors through this process: stay
@@ -186,7 +194,10 @@ class CollateServer:
                 if hasattr(self.sampler, "set_epoch"):
                     self.sampler.set_epoch(epoch)
                 driver.start_iteration([int(i) for i in self.sampler])
-                loads, samples, self._ahead, self._template = self._loads(driver.views), {}, {}, None
+                if self._loading is not None:
+                    self._loading.close()  # type: ignore[attr-defined]
+                loads = self._loading = self._loads(driver.views)
+                samples, self._ahead, self._template = {}, {}, None
                 continue
             self._fill(driver, loads, samples)
             plan = driver.on_headers(self._gather(driver.begin_round(), "header"))
@@ -224,24 +235,39 @@ class CollateServer:
         spec = self.spec
         size = chunk_size(spec.config, spec.num_workers)
         chunks = [list(range(k, min(k + size, len(views)))) for k in range(0, len(views), size)]
+        workers = spec.num_workers
         loader = DataLoader(
             _ViewDataset(IndexedDataset(spec.dataset, spec.rank), views), batch_sampler=chunks,
-            collate_fn=Packer(spec.rank, spec.length_fn, spec.loss_tokens_fn), num_workers=spec.num_workers,
-            prefetch_factor=spec.prefetch_factor if spec.num_workers else None,
-            multiprocessing_context=spec.worker_start_method if spec.num_workers else None,
+            collate_fn=Packer(spec.rank, spec.length_fn, spec.loss_tokens_fn), num_workers=workers,
+            prefetch_factor=spec.prefetch_factor if workers else None,
+            multiprocessing_context=spec.worker_start_method if workers else None,
+            worker_init_fn=DieWithParent(os.getpid()) if workers else None,
+            timeout=spec.timeout if workers else 0,
         )
         it = iter(loader)
         for chunk in chunks:
-            try:
-                packed = next(it)
-            except (SampleLoadError, InvalidSampleError):
-                raise
-            except Exception as exc:
-                indices = [views[p] for p in chunk]
-                raise SampleLoadError(f"rank {spec.rank}: loading dataset indices {indices} failed: "
-                                      f"{type(exc).__name__}: {exc}", rank=spec.rank, indices=indices) from None
+            packed = self._next_chunk(it, [views[p] for p in chunk])
             assert packed.measures is not None
             yield list(zip(chunk, unpack(packed), packed.measures))
+
+    def _next_chunk(self, it: Iterator[PackedChunk], indices: list[int]) -> PackedChunk:
+        """The next loaded chunk, or the typed error of its first bad sample (P4: none is skipped)."""
+        rank = self.spec.rank
+        try:
+            packed = next(it)
+        except (SampleLoadError, InvalidSampleError):
+            raise
+        except Exception as exc:
+            if "timed out" in str(exc) and self.spec.num_workers:
+                raise SampleLoadError(
+                    f"rank {rank}: a DataLoader worker spent over {self.spec.timeout:.0f}s (the timeout) loading "
+                    f"dataset indices {indices} (stuck in the dataset's __getitem__, or length_fn?)",
+                    rank=rank, indices=indices) from None
+            raise SampleLoadError(f"rank {rank}: loading dataset indices {indices} failed: "
+                                  f"{describe_exception(exc)}", rank=rank, indices=indices) from None
+        if packed.error is not None:
+            raise packed.error
+        return packed
 
     def _deliver(self, driver: EpochDriver, item: Delivery | LoopEnd, samples: dict[int, Any]) -> bool:
         """Collate one delivery and put it for the trainer; True for the loop's end."""
@@ -281,11 +307,27 @@ class CollateServer:
                             f"(a peer rank died or exceeded the timeout): {exc}", rank=self.spec.rank) from None
         return [t.tolist() for t in out]
 
-    def _put(self, item: Any, watch_ctrl: bool = True) -> None:
+    def _encode(self, item: Reply) -> bytes:
+        """``item`` pickled now: a batch that cannot be pickled is a :class:`CollateFnError`
+        naming its indices, not a batch lost in the queue's feeder thread (P4)."""
+        try:
+            return encode(item)
+        except Exception as exc:
+            rank = self.spec.rank
+            if isinstance(item, Batch):
+                raise CollateFnError(f"rank {rank}: collate_fn returned a batch that cannot be sent to the trainer "
+                                     f"(dataset indices {list(item.info.indices)}): pickling failed with "
+                                     f"{type(exc).__name__}: {exc}; return tensors, numbers, strings and "
+                                     "containers of them", rank=rank, indices=item.info.indices) from None
+            return encode(Failure(CollateProcessError(f"rank {rank}: {type(exc).__name__} pickling {item!r}",
+                                                      rank=rank)))
+
+    def _put(self, item: Reply, watch_ctrl: bool = True) -> None:
         """Put ``item`` on the bounded output queue, giving up if the trainer is gone or says stop."""
+        payload = self._encode(item)
         while True:
             try:
-                self.out.put(item, timeout=0.2)
+                self.out.put(payload, timeout=0.2)
                 return
             except queue.Full:
                 if os.getppid() != self.parent:
@@ -318,5 +360,9 @@ class CollateServer:
 
 
 def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any) -> None:
-    """Process entry point: serve epochs until told to stop (:class:`CollateServer`)."""
+    """Process entry point: serve epochs until told to stop (:class:`CollateServer`).
+
+    Ctrl-C reaches the whole process group; the trainer reacts to it (its loader stops
+    this process), so here SIGINT is ignored rather than a second traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     CollateServer(spec, sampler, ctrl, out).serve()

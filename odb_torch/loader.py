@@ -7,7 +7,7 @@ import queue
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 import torch.multiprocessing as tmp
@@ -15,11 +15,18 @@ from torch.utils.data import Dataset, DistributedSampler, default_collate
 
 from odb_core import ODBConfig
 from odb_core.epoch import EpochDriver
-from odb_core.errors import CollateProcessError, PeerError
+from odb_core.errors import CollateProcessError, LoaderStateError, PeerError
 from odb_torch.collate_process import CollateSpec, collate_main
-from odb_torch.messages import Batch, EpochEnd, Failure, StartEpoch, Stop
+from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, decode
 from odb_torch.ports import free_port
+from odb_torch.process_guard import close_at_exit
+from odb_torch.start_failure import explain_start_failure
 from odb_torch.step_info import StepInfo
+
+SILENCE_GRACE = 2.0
+"""The trainer waits ``timeout * SILENCE_GRACE`` for a live but silent collate process, so
+that the collate process's own, more precise timeouts (collate group, DataLoader workers,
+both ``timeout``) report first."""
 
 
 class ODBDataLoader:
@@ -159,6 +166,10 @@ class ODBDataLoader:
         self._resume: tuple[int, list[int], int] | None = None
         self._epoch_open = False  # an iteration started and has not reached its EpochEnd
         self._serial = 0  # epochs started by this loader (the same on every rank: names trace files)
+        self._generation = 0  # bumped by every iter() and close(): older iterators are stale
+        self._stale_reason = ""
+        self._heard = False  # the current collate process has sent a message
+        self._start_method = start_method
 
     @property
     def step_info(self) -> StepInfo:
@@ -207,18 +218,25 @@ class ODBDataLoader:
         self._out = self._ctx.Queue(maxsize=self._queue_size)
         self._proc = self._ctx.Process(target=collate_main, args=(self._spec, self.sampler, self._ctrl, self._out),
                                        name=f"odb-collate-rank{self.rank}", daemon=False)
+        self._heard = False
         self._proc.start()
+        close_at_exit(self)  # never let interpreter exit wait on the (non-daemon) collate process
 
     def __iter__(self) -> Iterator[Any]:
+        """Yield the epoch's batches. One live iterator per loader: a newer ``iter(loader)``
+        (or :meth:`close`) makes an older one raise :class:`LoaderStateError` on ``next()``."""
         if self._epoch_open:
             # the previous iteration was abandoned mid-epoch (break): the collate process
             # is still in that epoch and its queued batches are stale, so restart it
             self.close()
+        self._generation += 1
+        generation = self._generation
+        self._stale_reason = "it was superseded by a newer iter(loader) (one live iterator per loader)"
         if self._proc is None:
             self._start()
         elif not self._proc.is_alive():
             raise CollateProcessError(f"rank {self.rank}: the collate process is gone "
-                                      f"(exit code {self._proc.exitcode}); create a new loader")
+                                      f"(exit code {self._proc.exitcode}); create a new loader", rank=self.rank)
         epoch = self.epoch
         if self._resume is not None and self._resume[0] == epoch:
             _, skip, first_step = self._resume
@@ -231,49 +249,74 @@ class ODBDataLoader:
         self._ctrl.put(StartEpoch(epoch, tuple(skip), first_step, self._serial))
         self._serial += 1
         self._epoch_open = True
-        last = time.monotonic()
         while True:
-            try:
-                item = self._out.get(timeout=1.0)
-            except (EOFError, OSError) as exc:  # a batch's tensors died with their sender
-                self._proc.join(5.0)
-                self._fail(CollateProcessError(
-                    f"rank {self.rank}: lost the collate process while receiving a batch "
-                    f"(exit code {self._proc.exitcode}): {type(exc).__name__}: {exc}"))
-            except queue.Empty:
-                if not self._proc.is_alive():
-                    self._fail(CollateProcessError(
-                        f"rank {self.rank}: the collate process died (exit code {self._proc.exitcode})"))
-                if time.monotonic() - last > self.timeout:
-                    self._fail(PeerError(f"rank {self.rank}: no batch for {self.timeout:.0f}s "
-                                         "(a peer rank is stalled or gone)"))
-                continue
-            last = time.monotonic()
+            item = self._receive()
             if isinstance(item, EpochEnd):
                 self._epoch_open = False
                 return
             if isinstance(item, Failure):
                 self._fail(item.error)
             assert isinstance(item, Batch), f"unexpected message {item!r}"
-            batch, info, positions = item.batch, item.info, item.positions
-            self._consumed.extend(positions)
+            self._consumed.extend(item.positions)
             self._steps += 1
-            pending = (pending[0] + len(positions), pending[1] + 1)
-            if info.is_idle and self.skip_idle:
+            pending = (pending[0] + len(item.positions), pending[1] + 1)
+            if item.info.is_idle and self.skip_idle:
                 continue
             self._recent.append(pending)
             pending = (0, 0)
-            self._step_info = info
-            yield batch
+            self._step_info = item.info
+            yield item.batch
+            if self._generation != generation:
+                raise LoaderStateError(f"rank {self.rank}: next() on a stale loader iterator: {self._stale_reason}; "
+                                       "start a new `for batch in loader` loop", rank=self.rank)
 
-    def _fail(self, exc: Exception) -> None:
+    def _receive(self) -> Reply:
+        """The collate process's next message; a typed error if it died or stayed silent."""
+        deadline = time.monotonic() + self.timeout * SILENCE_GRACE
+        while True:
+            try:
+                payload = self._out.get(timeout=1.0)
+            except (EOFError, OSError) as exc:  # a batch's tensors died with their sender
+                self._proc.join(5.0)
+                self._fail(CollateProcessError(
+                    f"rank {self.rank}: lost the collate process while receiving a batch "
+                    f"(exit code {self._proc.exitcode}): {type(exc).__name__}: {exc}", rank=self.rank))
+            except queue.Empty:
+                if not self._proc.is_alive():
+                    self._fail(self._death())
+                if time.monotonic() > deadline:
+                    self._fail(PeerError(
+                        f"rank {self.rank}: no batch for {self.timeout * SILENCE_GRACE:.0f}s from a live collate "
+                        "process: a peer rank is stalled or gone, or this rank's collate_fn (or, with "
+                        "num_workers=0, its __getitem__) is stuck", rank=self.rank))
+                continue
+            self._heard = True
+            try:
+                return decode(payload)
+            except Exception as exc:
+                self._fail(CollateProcessError(f"rank {self.rank}: a message of the collate process cannot be "
+                                               f"unpickled here: {type(exc).__name__}: {exc}", rank=self.rank))
+
+    def _death(self) -> CollateProcessError:
+        """Why the collate process died, as far as this process can tell."""
+        code = self._proc.exitcode
+        if code == 1 and not self._heard:  # died before running ODB's code: spawn bootstrap
+            return CollateProcessError(f"rank {self.rank}: " + explain_start_failure(
+                (self._spec, self.sampler), self._start_method, code), rank=self.rank)
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return CollateProcessError(f"rank {self.rank}: the collate process died ({how})", rank=self.rank)
+
+    def _fail(self, exc: Exception) -> NoReturn:
         self.close()
         raise exc
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the collate process (and its workers); idempotent."""
+        """Stop the collate process (and its workers); idempotent. An iterator of this loader
+        still open raises :class:`LoaderStateError` on its next ``next()``."""
         proc, self._proc = self._proc, None
         self._epoch_open = False
+        self._generation += 1
+        self._stale_reason = "the loader was closed"
         if proc is None:
             return
         if proc.is_alive():

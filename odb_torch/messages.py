@@ -1,6 +1,8 @@
 """The messages between a rank's trainer process (the loader) and its collate process.
 
-Frozen dataclasses, pickled through two multiprocessing queues: ``ctrl`` carries
+Frozen dataclasses, pickled by :func:`encode` in the sender (so a batch that cannot be
+pickled is an error there, not a silent loss) and put as bytes on two multiprocessing
+queues: ``ctrl`` carries
 :class:`StartEpoch` and :class:`Stop` from the loader; ``out`` carries :class:`Batch`,
 :class:`EpochEnd` and :class:`Failure` back. A failure carries the exception object
 itself (every :class:`~odb_core.errors.ODBError` pickles with its ``rank`` and
@@ -10,6 +12,7 @@ itself (every :class:`~odb_core.errors.ODBError` pickles with its ``rank`` and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from odb_core.errors import ODBError
@@ -60,3 +63,18 @@ class Failure:
 
 Command = StartEpoch | Stop
 Reply = Batch | EpochEnd | Failure
+
+
+def encode(item: Reply) -> bytes:
+    """Pickle ``item`` as a multiprocessing queue would (tensors by shared memory), but now,
+    in the sender, so a value that cannot be pickled raises here instead of vanishing in
+    the queue's feeder thread. Put the bytes on the queue; :func:`decode` on the other end."""
+    return bytes(ForkingPickler.dumps(item))
+
+
+def decode(payload: bytes) -> Reply:
+    """The reply :func:`encode` pickled."""
+    item = ForkingPickler.loads(payload)
+    if not isinstance(item, (Batch, EpochEnd, Failure)):
+        raise TypeError(f"unexpected message {item!r}")
+    return item

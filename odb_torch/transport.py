@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import math
+import numbers
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from odb_core.errors import InvalidSampleError, SampleLoadError
+from odb_core.errors import InvalidSampleError, ODBError, SampleLoadError
 
 INLINE_BYTES = 4 << 20
 """Chunks whose tensors total at most this many bytes travel by value through the pipe."""
@@ -40,15 +42,32 @@ class _Slot:
 
 @dataclass
 class PackedChunk:
-    """A chunk of samples with their tensors moved into one flat tensor per dtype."""
+    """A chunk of samples with their tensors moved into one flat tensor per dtype, or the
+    typed ``error`` that loading or measuring one of its samples raised (sent as a value:
+    an exception raised in a DataLoader worker reaches the collate process rebuilt from
+    its message, without its ``rank`` and ``indices``)."""
 
     skeletons: list[Any]
     buffers: dict[torch.dtype, torch.Tensor | bytes]
     measures: list[tuple[int, int]] | None = None
+    error: ODBError | None = None
+
+
+@dataclass(frozen=True)
+class LoadFailed:
+    """What :class:`IndexedDataset` returns for a sample whose ``__getitem__`` raised."""
+
+    error: SampleLoadError
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message`` and the traceback of the user's code that raised it."""
+    return "".join(traceback.format_exception(exc)).rstrip()
 
 
 class IndexedDataset(Dataset):  # type: ignore[type-arg]
-    """Wraps the user's dataset so a failing ``__getitem__`` names its index (ODB's own object)."""
+    """Wraps the user's dataset so a failing ``__getitem__`` is a :class:`LoadFailed`
+    naming its index and rank (ODB's own object; the user's dataset is not touched)."""
 
     def __init__(self, dataset: Dataset[Any], rank: int) -> None:
         self.dataset = dataset
@@ -61,8 +80,9 @@ class IndexedDataset(Dataset):  # type: ignore[type-arg]
         try:
             return self.dataset[index]
         except Exception as exc:
-            raise SampleLoadError(f"rank {self.rank}: loading dataset index {index} failed: "
-                                  f"{type(exc).__name__}: {exc}") from None
+            return LoadFailed(SampleLoadError(
+                f"rank {self.rank}: loading dataset index {index} failed: {type(exc).__name__}: {exc}\n"
+                f"{describe_exception(exc)}", rank=self.rank, indices=(index,)))
 
 
 def _map_leaves(x: Any, leaf: Callable[[Any], Any]) -> Any:
@@ -132,32 +152,65 @@ def default_loss_tokens(sample: Any, length: int) -> int:
     return length
 
 
+def as_count(value: object) -> int | None:
+    """``value`` as an int if it is an integer (a Python or NumPy int, or a one-element
+    integer tensor), else None. Floats, strings, bools and None are not counts."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            return None
+        return int(value.item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
 @dataclass
 class Packer:
     """The workers' ``collate_fn``: measures each ``(index, sample)`` of a chunk, then packs it.
 
-    A sample whose length cannot be taken raises :class:`InvalidSampleError` naming its
-    dataset index (it reaches the collate process as that type).
+    A length that is not an integer >= 0, a loss-token count that is not an integer in
+    [0, length], or a failing ``length_fn``/``loss_tokens_fn`` is an
+    :class:`InvalidSampleError` naming the sample's dataset index and the rank; a failed
+    ``__getitem__`` (:class:`LoadFailed`) its :class:`SampleLoadError`. Either is returned
+    as the chunk's ``error``, never raised in the worker (so it keeps its attributes).
     """
 
     rank: int
     length_fn: Callable[[Any], int] | None = None
     loss_tokens_fn: Callable[[Any], int] | None = None
 
+    def _invalid(self, index: int, problem: str) -> InvalidSampleError:
+        return InvalidSampleError(f"rank {self.rank}: sample {index} {problem}", rank=self.rank, indices=(index,))
+
     def measure(self, sample: Any, index: int) -> tuple[int, int]:
+        """(length, loss tokens) of one sample; raises :class:`InvalidSampleError` naming it."""
         try:
-            length = (self.length_fn or default_length)(sample)
+            raw = (self.length_fn or default_length)(sample)
         except Exception as exc:
-            raise InvalidSampleError(f"rank {self.rank}: sample {index} has no length "
-                                     f"({type(exc).__name__}: {exc}); pass length_fn") from None
-        if self.loss_tokens_fn is not None:
-            tokens = self.loss_tokens_fn(sample)
-        else:
-            tokens = default_loss_tokens(sample, length)
-        return int(length), int(tokens)
+            raise self._invalid(index, f"has no length ({type(exc).__name__}: {exc}); pass length_fn") from None
+        length = as_count(raw)
+        if length is None or length < 0:
+            raise self._invalid(index, f"has length {raw!r} ({type(raw).__name__}); length_fn must return an "
+                                       "int >= 0")
+        try:
+            raw = (self.loss_tokens_fn(sample) if self.loss_tokens_fn is not None
+                   else default_loss_tokens(sample, length))
+        except Exception as exc:
+            raise self._invalid(index, f"has no loss-token count ({type(exc).__name__}: {exc})") from None
+        tokens = as_count(raw)
+        if tokens is None or not 0 <= tokens <= length:
+            raise self._invalid(index, f"has {raw!r} loss tokens ({type(raw).__name__}) for length {length}; "
+                                       "loss_tokens_fn must return an int in [0, length]")
+        return length, tokens
 
     def __call__(self, items: list[tuple[int, Any]]) -> PackedChunk:
-        measures = [self.measure(sample, index) for index, sample in items]
+        try:
+            for _, sample in items:
+                if isinstance(sample, LoadFailed):
+                    raise sample.error
+            measures = [self.measure(sample, index) for index, sample in items]
+        except ODBError as exc:
+            return PackedChunk([], {}, error=exc)
         chunk = pack([sample for _, sample in items])
         chunk.measures = measures
         return chunk

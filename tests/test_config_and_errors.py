@@ -44,12 +44,16 @@ def test_arrival_of_unrequested_view_is_rejected():
         p.arrive(0, 3)
 
 
-@pytest.mark.parametrize(("length", "tokens", "needle"), [(-1, None, "length"), (3, -2, "loss tokens"), ("7", None, "length")])
+@pytest.mark.parametrize(("length", "tokens", "needle"), [
+    (-1, None, "length"), (3, -2, "loss tokens"), ("7", None, "length"), (3, 30, "loss tokens"), (3.0, None, "length"),
+])
 def test_bad_sample_names_the_dataset_index(length, tokens, needle):
+    """A bad length, or loss tokens outside [0, length], is an InvalidSampleError naming the sample."""
     p = RankProtocol(ODBConfig(token_budget=10, buffer_size=1), 0, 1, [42])
     (pos,) = p.fetch()
-    with pytest.raises(InvalidSampleError, match=rf"sample 42 .*{needle}"):
+    with pytest.raises(InvalidSampleError, match=rf"sample 42 .*{needle}") as caught:
         p.arrive(pos, length, tokens)
+    assert (caught.value.rank, caught.value.indices) == (0, (42,))
     assert p.in_flight == {pos}  # nothing moved: the sample is still accounted in Q
 
 

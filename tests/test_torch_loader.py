@@ -34,11 +34,12 @@ def free_port_triple() -> int:
 
 def run_ranks(
     world: int, task: dict[str, Any], tmp_path: Path, timeout: float = 240, killed_ranks: int = 0,
-    trace: bool = False,
+    trace: bool = False, target: Any = rank_main,
 ) -> list[dict[str, Any]]:
-    """Spawn the ranks; check no tagged process and no new /dev/shm entry survives.
-    ``trace``: the collate processes trace the protocol into ``tmp_path/traces``
-    (``ODB_TRACE_DIR``), for :func:`check_real_traces`.
+    """Spawn the ranks (``target(rank, world, port, out_dir, task)``); check no tagged process
+    and no new /dev/shm entry survives. Each result carries the rank process's ``exitcode``
+    (-9: killed here at ``timeout``). ``trace``: the collate processes trace the protocol
+    into ``tmp_path/traces`` (``ODB_TRACE_DIR``), for :func:`check_real_traces`.
 
     A SIGKILLed trainer rank cannot unlink the named semaphores of its loader's two
     queues (3 each); under spawn they are registered with this process's resource
@@ -53,7 +54,7 @@ def run_ranks(
         (tmp_path / "traces").mkdir(exist_ok=True)
         os.environ["ODB_TRACE_DIR"] = str(tmp_path / "traces")
     try:
-        ctx = tmp.start_processes(rank_main, args=(world, free_port_triple(), str(tmp_path), task), nprocs=world,
+        ctx = tmp.start_processes(target, args=(world, free_port_triple(), str(tmp_path), task), nprocs=world,
                                   join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:
@@ -76,9 +77,10 @@ def run_ranks(
     semaphores = [x for x in leaked if x.startswith("sem.mp-")]
     assert len(semaphores) <= 6 * killed_ranks and len(semaphores) == len(leaked), f"shared memory left behind: {leaked}"
     results = []
-    for r in range(world):
+    for r, p in enumerate(ctx.processes):
         path = tmp_path / f"rank{r}.json"
         results.append(json.loads(path.read_text()) if path.exists() else {"rank": r, "error": "no result"})
+        results[-1]["exitcode"] = p.exitcode
     return results
 
 
@@ -126,24 +128,6 @@ def test_exact_loss_scaling_matches_per_token_reference_gradient(world, tmp_path
         assert r["max_err"] < 1e-12, f"rank {r['rank']}: DDP gradient differs from the reference by {r['max_err']}"
 
 
-@pytest.mark.parametrize(
-    ("fail", "extra", "owner_error", "needle"),
-    [
-        ({"14": "getitem"}, {}, "SampleLoadError", "dataset index 14"),
-        ({"14": "nolength"}, {}, "InvalidSampleError", "sample 14"),
-        ({}, {"collate": "failing"}, "CollateFnError", "13"),
-        ({"14": "die"}, {"workers": 1}, "SampleLoadError", "exited unexpectedly"),
-    ],
-)
-def test_bad_input_raises_typed_errors_on_every_rank(fail, extra, owner_error, needle, tmp_path):
-    task = {"kind": "audit", "n": 40, "epochs": 1, "fail": fail, "timeout": 30, **extra}
-    results = run_ranks(2, task, tmp_path)
-    errors = {r["error"] for r in results}
-    owners = [r for r in results if r.get("error") == owner_error]
-    assert owners and needle in owners[0]["message"], results
-    assert errors <= {owner_error, "PeerError"}, "surviving ranks must raise a typed PeerError"
-
-
 @pytest.mark.parametrize("stop_after", [1, 4])
 def test_resume_mid_epoch_emits_exactly_the_rest(stop_after, tmp_path):
     n = 101
@@ -166,26 +150,6 @@ def test_abandoned_epoch_does_not_leak_stale_batches_into_the_next(tmp_path):
     ids = [i for r in results for _, batch in r["epoch1"] for i in batch]
     assert set(ids) == set(range(n)) and len(ids) == n, "epoch 1 must be a whole epoch"
     assert len({len(r["epoch1"]) for r in results}) == 1
-
-
-@pytest.mark.parametrize(
-    ("fault", "victim_error", "others"),
-    [
-        ("kill_collate", "CollateProcessError", {"PeerError"}),
-        ("kill_rank", "no result", {"PeerError"}),
-        ("stall", "PeerError", {"PeerError"}),
-    ],
-)
-def test_faults_raise_typed_errors_on_survivors_within_bounded_time(fault, victim_error, others, tmp_path):
-    """A killed collate process, a SIGKILLed rank, a straggler stalled past the timeout (10 s)."""
-    started = time.monotonic()
-    results = run_ranks(2, {"kind": "fault", "n": 400, "buffer": 4, "victim": 0, "fault": fault, "timeout": 10},
-                        tmp_path, timeout=120, killed_ranks=int(fault == "kill_rank"), trace=True)
-    assert time.monotonic() - started < 110
-    assert results[0]["error"] == victim_error, results[0]
-    assert {r["error"] for r in results[1:]} <= others, results[1:]
-    assert "rank 1" in results[1]["message"] or "rank 0" in results[1]["message"]
-    check_real_traces(tmp_path / "traces")  # the run up to the fault is a behaviour of the spec
 
 
 @pytest.mark.parametrize("start_method", ["fork", "forkserver"])

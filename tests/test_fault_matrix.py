@@ -1,0 +1,184 @@
+"""The fault matrix: every fault we know of, on real spawned Gloo ranks.
+
+For each fault, asserts which typed error each rank raises, within what bound, naming
+which rank and dataset indices; that no process, semaphore or ``/dev/shm`` entry
+outlives the run (``run_ranks``); that no sample is yielded twice; and that no rank
+ends its epoch "normally" after a fault (nothing silently skipped). The README's
+failure table is this matrix.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fault_support import BAD, fault_rank_main
+from test_torch_loader import run_ranks
+from torch_support import check_real_traces, describe, wait_for_no_leftovers
+
+pytestmark = pytest.mark.timeout(300)
+
+T = 10  # the loaders' timeout (s)
+SHORT = 6  # the timeout of the cases that wait it out
+QUICK = 15  # seconds within which a fault that needs no timeout is reported
+
+
+def case(task: dict[str, Any], owner: str, peer: str | None, indices: Any, within: float,
+         world: int = 2, **kw: Any) -> Any:
+    """A fault case: the owner (rank 0) raises ``owner`` naming ``indices`` (a tuple: exactly
+    those; ``...``: a chunk holding the bad index; None: none required), every other rank
+    ``peer``, each within ``within`` seconds of the fault (or of the loader's creation)."""
+    return pytest.param({"timeout": T, **task}, owner, peer, indices, within, world, kw, id=kw.pop("id"))
+
+
+def bad(value: str) -> dict[str, Any]:
+    """Index 14 misbehaves on rank 0's shard (an even index: rank 0 under the unshuffled sampler)."""
+    return {"fail": {str(BAD): value}}
+
+
+CASES = [
+    # data: the owner names the sample; its peer sees the collate group fail
+    case(bad("getitem"), "SampleLoadError", "PeerError", (BAD,), QUICK, id="getitem-raises"),
+    case({**bad("getitem"), "workers": 2}, "SampleLoadError", "PeerError", (BAD,), QUICK, id="getitem-raises-in-worker"),
+    case({**bad("die"), "workers": 1}, "SampleLoadError", "PeerError", "some", QUICK, id="worker-killed"),
+    case({**bad("stuck"), "workers": 1, "timeout": SHORT}, "SampleLoadError", "PeerError", ..., 2 * SHORT + 5,
+         id="worker-stuck"),
+    case({"collate": "failing"}, "CollateFnError", "PeerError", ..., QUICK, id="collate-raises"),
+    case({"collate": "unpicklable"}, "CollateFnError", "PeerError", ..., QUICK, id="batch-unpicklable"),
+    case({"collate": "generator"}, "CollateFnError", "CollateFnError", None, QUICK, id="every-batch-unpicklable"),
+    case(bad("nolength"), "InvalidSampleError", "PeerError", (BAD,), QUICK, id="length-missing"),
+    case({"length": "float", "workers": 1}, "InvalidSampleError", "PeerError", (BAD,), QUICK, id="length-float"),
+    case({"length": "str"}, "InvalidSampleError", "PeerError", (BAD,), QUICK, id="length-str"),
+    case({"length": "none", "workers": 1}, "InvalidSampleError", "PeerError", (BAD,), QUICK, id="length-none"),
+    case({"length": "nan"}, "InvalidSampleError", "PeerError", (BAD,), QUICK, id="length-nan"),
+    case({"tokens": "excess", "workers": 1}, "InvalidSampleError", "PeerError", (BAD,), QUICK, id="loss-tokens-excess"),
+    case({"per_rank": {"1": {"seed": 4}}}, "ConfigMismatchError", "ConfigMismatchError", None, QUICK,
+         id="sampler-seed-differs"),
+    case({"per_rank": {"1": {"n": 38}}}, "ConfigMismatchError", "ConfigMismatchError", None, QUICK,
+         id="dataset-size-differs"),
+    # processes: the victim is rank 0, faulted at step FAULT_STEP
+    case({"fault": "kill_collate", "workers": 2}, "CollateProcessError", "PeerError", None, QUICK,
+         id="collate-process-killed", trace=True),
+    case({"fault": "kill_rank", "workers": 1}, "no result", "PeerError", None, QUICK, id="rank-killed",
+         killed=1, trace=True),
+    case({"fault": "stall", "timeout": SHORT}, "PeerError", "PeerError", None, 3 * SHORT + 5, id="rank-stalls",
+         trace=True),
+    case({"fault": "sigint", "workers": 1}, "KeyboardInterrupt", "PeerError", None, QUICK, id="rank-ctrl-c"),
+    case({"fault": "close_next"}, "LoaderStateError", None, None, QUICK, world=1, id="next-after-close"),
+    case({"fault": "two_iterators"}, "LoaderStateError", None, None, QUICK, world=1, id="two-live-iterators"),
+]
+
+
+@pytest.mark.parametrize(("task", "owner", "peer", "indices", "within", "world", "kw"), CASES)
+def test_fault_is_a_typed_error_on_every_rank_in_bounded_time_leaving_nothing(
+        task, owner, peer, indices, within, world, kw, tmp_path):
+    task = {"n": 40, "shuffle": False, **task}
+    results = run_ranks(world, task, tmp_path, timeout=120, killed_ranks=kw.get("killed", 0),
+                        trace=kw.get("trace", False), target=fault_rank_main)
+    expected = [owner] + [peer] * (world - 1)
+    assert [r.get("error") for r in results] == expected, results
+    for r in results:
+        if r["error"] == "no result":
+            assert r["exitcode"] == -9, r  # the SIGKILLed rank
+            continue
+        assert r["since_fault"] <= within, f"rank {r['rank']}: {r['error']} after {r['since_fault']:.1f}s > {within}s"
+        if r["error"] != "KeyboardInterrupt":
+            assert r["error_rank"] == r["rank"], f"the error must name its rank: {r}"
+        # the process exited by itself (-9: killed by the harness at its timeout); torch.multiprocessing
+        # exits 0 on KeyboardInterrupt
+        assert r["exitcode"] == 0, r
+        seen = Counter(i for batch in r["yielded"] for i in batch)
+        assert not [i for i, k in seen.items() if k > 1], f"rank {r['rank']}: a sample was yielded twice"
+    if indices is ...:
+        assert BAD in results[0]["error_indices"], results[0]
+    elif indices == "some":  # a SIGKILLed worker cannot say which sample it was loading
+        assert results[0]["error_indices"] and str(results[0]["error_indices"]) in results[0]["message"]
+    elif indices is not None:
+        assert tuple(results[0]["error_indices"]) == indices, results[0]
+        assert f"sample {indices[0]}" in results[0]["message"] or f"index {indices[0]}" in results[0]["message"]
+    if kw.get("trace"):
+        check_real_traces(tmp_path / "traces", require=("fetch", "gather"))  # the run up to the fault
+
+
+SCRIPT = '''
+import os, signal, sys
+import torch
+from torch.utils.data import Dataset
+from odb_torch import ODBDataLoader, pad_collate
+
+class Lines(Dataset):
+    def __len__(self):
+        return 60
+    def __getitem__(self, i):
+        return {"input_ids": torch.arange(1 + i % 17)}
+
+def main(how):
+    global loader
+    loader = ODBDataLoader(Lines(), token_budget=64, collate_fn=pad_collate, num_workers=1, timeout=20)  # never closed
+    for k, batch in enumerate(loader):
+        if how == "break" and k == 2:
+            break
+        if how == "raise" and k == 2:
+            raise RuntimeError("the training step failed")
+        if how == "sigint" and k == 2:
+            print("ready", flush=True)
+            signal.pause()  # a long training step, until the test's Ctrl-C
+    print("done", flush=True)
+
+HOW = sys.argv[1] if len(sys.argv) > 1 else "stdin"
+if HOW == "stdin" or __name__ == "__main__":
+    main(HOW)
+'''
+
+
+def run_script(tmp_path: Path, how: str, timeout: float = 90) -> tuple[int, str]:
+    """Run SCRIPT as a user would (a file, or ``python - < file`` for ``stdin``) under a hard
+    timeout; SIGINT it once it printed ``ready``. Returns (exit code, output) and fails if
+    it hangs or leaves a process behind."""
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT)
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "ODB_TEST_TAG": tag, "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-"] if how == "stdin" else [sys.executable, str(path), how]
+    proc = subprocess.Popen(args, stdin=path.open() if how == "stdin" else subprocess.DEVNULL, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    started = time.monotonic()
+    try:
+        if how == "sigint":
+            assert proc.stdout is not None
+            first = proc.stdout.readline()
+            assert first.strip() == "ready", first
+            os.kill(proc.pid, signal.SIGINT)  # to the trainer only, as torchrun forwards it
+        out = proc.communicate(timeout=timeout - (time.monotonic() - started))[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out = proc.communicate()[0]
+        pytest.fail(f"the script hung at exit ({how}):\n{out[-3000:]}")
+    leftovers = wait_for_no_leftovers(tag)
+    assert not leftovers, f"processes left behind: {[describe(p) for p in leftovers]}"
+    return proc.returncode, out
+
+
+@pytest.mark.parametrize(("how", "code", "needle"), [
+    ("epoch", 0, "done"),  # a full epoch, the loader left open at module level
+    ("break", 0, "done"),  # after a break
+    ("raise", 1, "the training step failed"),  # an uncaught exception
+    ("sigint", -signal.SIGINT, "KeyboardInterrupt"),  # Ctrl-C (Python exits by the signal)
+    ("stdin", 1, "Lines is defined in __main__"),  # python - < train.py: spawn cannot import __main__
+])
+def test_script_exits_promptly_whatever_ends_it(how, code, needle, tmp_path):
+    started = time.monotonic()
+    returncode, out = run_script(tmp_path, how)
+    assert returncode == code and needle in out, out[-3000:]
+    assert time.monotonic() - started < 60, "exit took longer than the bound"
+    if how == "stdin":
+        assert "CollateProcessError" in out and "module file" in out, out[-3000:]

@@ -1,0 +1,71 @@
+"""Measuring samples in the DataLoader workers (``odb_torch.transport.Packer``): a length
+or loss-token count is used only if it is an integer in range; anything else is an
+``InvalidSampleError`` naming the sample and rank, returned with the chunk (never raised
+in the worker, where its attributes would be lost), and never silently converted."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from odb_core import InvalidSampleError, SampleLoadError
+from odb_torch.transport import IndexedDataset, Packer, as_count
+
+VALUES = st.one_of(
+    st.integers(-5, 5000), st.floats(allow_nan=True), st.text(max_size=4), st.none(), st.booleans(),
+    st.integers(0, 5000).map(np.int64), st.integers(0, 5000).map(lambda i: torch.tensor(i)),
+    st.floats(0, 5000).map(lambda f: torch.tensor(f)), st.just(math.nan), st.just(895.7), st.just("12"),
+)
+
+
+def integral(value: object) -> bool:
+    """What a count must be: an int (not bool), a NumPy integer or a one-element integer tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.dtype.is_floating_point and value.dtype != torch.bool
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+@given(length=VALUES, tokens=VALUES)
+def test_measure_accepts_exactly_the_integer_counts_in_range(length, tokens):
+    packer = Packer(rank=3, length_fn=lambda s: length, loss_tokens_fn=lambda s: tokens)
+    chunk = packer([(17, {"input_ids": [1, 2]})])
+    ok = integral(length) and integral(tokens) and 0 <= int(length) and 0 <= int(tokens) <= int(length)
+    if ok:
+        assert chunk.error is None and chunk.measures == [(int(length), int(tokens))]
+        assert all(type(x) is int for x in chunk.measures[0])
+    else:
+        assert isinstance(chunk.error, InvalidSampleError), (length, tokens)
+        assert (chunk.error.rank, chunk.error.indices) == (3, (17,)) and "sample 17" in str(chunk.error)
+
+
+def test_the_error_survives_the_trip_from_a_worker_with_its_attributes():
+    chunk = Packer(rank=1, length_fn=lambda s: "12")([(5, {}), (9, {})])
+    error = pickle.loads(pickle.dumps(chunk)).error
+    assert isinstance(error, InvalidSampleError) and (error.rank, error.indices) == (1, (5,))
+
+
+def test_a_failing_getitem_names_its_index_and_rank_in_the_chunk():
+    class Broken(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return 10
+
+        def __getitem__(self, i: int) -> dict[str, list[int]]:
+            if i == 4:
+                raise KeyError("corrupt record")
+            return {"input_ids": [1] * i}
+
+    data = IndexedDataset(Broken(), rank=2)
+    chunk = Packer(rank=2)([(i, data[i]) for i in (3, 4, 5)])
+    assert isinstance(chunk.error, SampleLoadError) and (chunk.error.rank, chunk.error.indices) == (2, (4,))
+    assert "corrupt record" in str(chunk.error) and "Traceback" in str(chunk.error)
+
+
+@pytest.mark.parametrize("value", [7, np.int32(7), torch.tensor(7), torch.tensor([7])])
+def test_integer_types_count(value):
+    assert as_count(value) == 7
