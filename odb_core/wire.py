@@ -183,10 +183,9 @@ def _headers_fast(vectors: Sequence[Sequence[int]], iteration: int, rnd: int) ->
     packed = struct.pack(f"<{count}Q", *chain.from_iterable(vectors))
     if not packed[7::8].isascii():  # a value >= 2^63
         raise _Slow
-    values = struct.unpack(f"<{count}Q", packed)  # the ints int() gives
+    values = iter(struct.unpack(f"<{count}Q", packed))  # the ints int() gives
     headers = []
-    for k in range(0, count, HEADER_LEN):
-        it, rn, code, groups, capacity, samples, tokens = values[k:k + HEADER_LEN]
+    for it, rn, code, groups, capacity, samples, tokens in zip(*[values] * HEADER_LEN):
         status = _STATUS.get(code)
         if it != iteration or rn != rnd or status is None:
             raise _Slow
@@ -230,12 +229,10 @@ def decode_steps(
 
 
 @lru_cache(maxsize=32)
-def _packer(n: int) -> struct.Struct:
-    """Packs ``n`` values as little-endian uint64 (ints in [0, 2^64), or ``struct.error``)."""
-    return struct.Struct(f"<{n}Q")
-
-
-_LOW48 = 1 << 48
+def _packer(n: int) -> tuple[struct.Struct, int]:
+    """Packs ``n`` values as little-endian uint64 (ints in [0, 2^64), or ``struct.error``);
+    with the mask of the top 16 bits of each 64-bit slot of the big integer they make."""
+    return struct.Struct(f"<{n}Q"), int.from_bytes(b"\0\0\0\0\0\0\xff\xff" * n, "little")
 
 
 def _step_sums(vectors: Sequence[Sequence[int]], headers: Sequence[Header], target: int) -> list[int]:
@@ -253,22 +250,21 @@ def _step_sums(vectors: Sequence[Sequence[int]], headers: Sequence[Header], targ
     try:
         if not n or len(vectors) != len(headers) or len(vectors) > 1 << 16 or any(len(v) != n for v in vectors):
             raise _Slow
-        packer = _packer(n)
-        packed = [packer.pack(*vector) for vector in vectors]
-        joined = b"".join(packed)
-        if joined[6::8].count(0) != len(joined) // 8 or joined[7::8].count(0) != len(joined) // 8:
-            raise _Slow  # a value >= 2^48: slots could carry (and >= 2^63 is an error)
-        zero = bytes(8 * n)
+        packer, high = _packer(n)
+        pack, from_bytes = packer.pack, int.from_bytes
         total = 0
-        for vector, header, data in zip(vectors, headers, packed):
+        for vector, header in zip(vectors, headers):
+            value = from_bytes(pack(*vector), "little")
+            if value & high:
+                raise _Slow  # a value >= 2^48: slots could carry (and >= 2^63 is an error)
             if header.status is Status.READY:
                 samples = vector[0::2]
                 held = sum(samples)
                 if type(held) is not int or held > header.samples or 0 in samples:
                     raise _Slow
-            elif data != zero:
+            elif value:
                 raise _Slow
-            total += int.from_bytes(data, "little")
+            total += value
     except Exception:  # noqa: BLE001 - the checked path decides and names what is wrong
         return _step_sums_checked(vectors, headers, target)
     return list(struct.unpack(f"<{n}Q", total.to_bytes(8 * n, "little")))

@@ -15,7 +15,7 @@ from fractions import Fraction
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import odb_core.simulator as simulator
@@ -143,3 +143,89 @@ def test_round_denominators_are_each_steps_weight_denominator(mode, headers, dat
     got = round_denominators(mode, world, [sum(c) for c in samples], [sum(c) for c in tokens],
                              lambda: (samples, tokens), mean_tokens)
     assert got == [weight_denominator(mode, n, t, mean_tokens) for n, t in zip(samples, tokens)]
+
+
+EDGE_VALUES = [2**63, -1, 0, 2**64, 2**63 - 1, 2**48, 2**48 - 1, 1.0, 2.5, True, 1, 7]
+WIRE_VALUES = st.one_of(st.sampled_from(EDGE_VALUES), st.integers(0, 2**16))
+
+
+def result_of(fn, *args):
+    try:
+        return ("ok", fn(*args))
+    except Exception as exc:  # noqa: BLE001
+        return ("raised", type(exc).__name__, str(exc))
+
+
+def reference_step_sums(vectors, headers, target):
+    pairs = wire.decode_steps(vectors, headers, target)
+    return [sum(rank[i][j] for rank in pairs) for i in range(target) for j in (0, 1)]
+
+
+@settings(max_examples=400)
+@given(st.data())
+def test_fast_step_decoding_agrees_with_the_rank_by_rank_decoder(data):
+    """Sums and every error (type, message, rank named) as decode_steps gives them, on
+    valid, out-of-range, wrongly typed, self-contradicting and mis-sized vectors."""
+    world, target = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 4))
+    headers, vectors = [], []
+    for _ in range(world):
+        status = data.draw(st.sampled_from([wire.Status.READY, wire.Status.READY, wire.Status.WAITING,
+                                            wire.Status.FINISHED]))
+        sizes = [data.draw(st.integers(1, 5)) for _ in range(target)]
+        samples = sum(sizes) + data.draw(st.integers(0, 3)) - data.draw(st.booleans()) if status is wire.Status.READY else 0
+        headers.append(wire.Header(0, 0, status, 1, 0, max(samples, 0), 0))
+        ready = status is wire.Status.READY
+        vectors.append([v for n in sizes for v in ((n, data.draw(st.integers(0, 9999))) if ready else (0, 0))])
+    for _ in range(data.draw(st.integers(0, 2))):  # corrupt some values
+        r, i = data.draw(st.integers(0, world - 1)), data.draw(st.integers(0, target - 1))
+        vectors[r][2 * i + data.draw(st.sampled_from([1, 0]))] = data.draw(WIRE_VALUES)  # tokens, samples
+    if data.draw(st.integers(0, 9)) == 0:
+        vectors[data.draw(st.integers(0, world - 1))].append(0)
+    assert result_of(wire._step_sums, vectors, headers, target) == result_of(reference_step_sums, vectors,
+                                                                               headers, target)
+
+
+@pytest.mark.parametrize("value", EDGE_VALUES)
+@pytest.mark.parametrize("status", list(wire.Status))
+@pytest.mark.parametrize("slot", [0, 1, 2, 3])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_fast_step_decoding_agrees_on_every_edge_value(value, status, slot, rank):
+    headers = [wire.Header(0, 0, wire.Status.READY, 2, 0, 9, 0), wire.Header(0, 0, wire.Status.READY, 2, 0, 9, 0)]
+    vectors = [[2, 30, 3, 2**20], [1, 0, 4, 7]]
+    headers[rank] = wire.Header(0, 0, status, 2 if status is wire.Status.READY else 0, 0,
+                                9 if status is not wire.Status.FINISHED else 0, 0)
+    if status is not wire.Status.READY:
+        vectors[rank] = [0, 0, 0, 0]
+    vectors[rank][slot] = value
+    assert result_of(wire._step_sums, vectors, headers, 2) == result_of(reference_step_sums, vectors, headers, 2)
+
+
+def reference_headers(vectors, world, iteration, rnd):
+    """decode_headers as it was: rank by rank, then the round check."""
+    if len(vectors) != world:
+        raise wire.WireFormatError(f"header gather: expected {world} vectors, got {len(vectors)}")
+    headers = [wire.decode_header(v, r) for r, v in enumerate(vectors)]
+    for r, h in enumerate(headers):
+        if (h.iteration, h.round) != (iteration, rnd):
+            raise wire.PeerInconsistencyError(
+                f"rank {r} is at iteration {h.iteration} round {h.round}, expected iteration {iteration} round {rnd}")
+    return headers
+
+
+@settings(max_examples=400)
+@given(st.data())
+def test_fast_header_decoding_agrees_with_the_rank_by_rank_decoder(data):
+    world = data.draw(st.integers(1, 5))
+    vectors = []
+    for _ in range(world):
+        status = data.draw(st.sampled_from(list(wire.Status)))
+        samples = data.draw(st.integers(0, 50)) if status is not wire.Status.FINISHED else 0
+        groups = data.draw(st.integers(1, max(samples, 1))) if status is wire.Status.READY else 0
+        tokens = data.draw(st.integers(0, 10**6)) if samples else 0
+        vectors.append([2, 5, int(status), groups, data.draw(st.integers(0, 3)), samples, tokens])
+    for _ in range(data.draw(st.sampled_from([0, 1, 1, 2]))):
+        vectors[data.draw(st.integers(0, world - 1))][data.draw(st.integers(0, 6))] = data.draw(WIRE_VALUES)
+    if data.draw(st.integers(0, 9)) == 0:
+        vectors[data.draw(st.integers(0, world - 1))].pop()
+    args = (vectors, data.draw(st.sampled_from([world, world + 1])), 2, 5)
+    assert result_of(wire.decode_headers, *args) == result_of(reference_headers, *args)
