@@ -16,6 +16,7 @@ hanging. With ``ODB_TRACE_DIR`` set, each rank appends the driver's trace events
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import signal
@@ -43,6 +44,27 @@ MAX_CHUNK = 64
 """At most this many consecutive sampler views are loaded and shipped as one packed chunk."""
 TRACE_ENV = "ODB_TRACE_DIR"
 """Set to a directory to trace every rank's protocol events there (off by default)."""
+WORKER_CHECK = 5.0
+"""Seconds between checks of the DataLoader workers while waiting for a chunk (a dead one is
+reported then; a stuck one once ``timeout`` seconds have passed)."""
+
+
+def check_interval(timeout: float) -> float:
+    """A slice of ``timeout`` of at most :data:`WORKER_CHECK` seconds; whole slices add up to it."""
+    return timeout / math.ceil(timeout / WORKER_CHECK)
+
+
+def worker_death(exc: BaseException | None) -> BaseException | None:
+    """The DataLoader's "worker died" error in ``exc``'s chain, if any. torch raises it from
+    its SIGCHLD handler wherever the collate process happens to be (inside a gather, a
+    ``collate_fn``), so it may reach us wrapped in another error."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, RuntimeError) and str(exc).startswith("DataLoader worker"):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def chunk_size(config: ODBConfig, num_workers: int) -> int:
@@ -117,6 +139,7 @@ class CollateServer:
         self._ahead: dict[int, tuple[Any, tuple[int, int]]] = {}  # loaded, not yet fetched (still in R)
         self._template: Any = None  # a sample of this rank, collated for idle items
         self._loading: Iterator[Any] | None = None  # the current iteration's loads (owns the workers)
+        self._driver: EpochDriver | None = None
 
     # ---- the process ------------------------------------------------------------------
     def serve(self) -> None:
@@ -149,10 +172,23 @@ class CollateServer:
                 continue
             return None if isinstance(cmd, Stop) else cmd
 
+    def _as_error(self, exc: BaseException) -> ODBError:
+        """``exc`` as the typed error the trainer raises (a dead DataLoader worker is a
+        :class:`SampleLoadError` naming the views it was loading, whatever it interrupted)."""
+        rank = self.spec.rank
+        if (death := worker_death(exc)) is not None:
+            driver = self._driver
+            awaited = sorted(driver.views[p] for p in driver.protocol.in_flight if p not in self._ahead) \
+                if driver is not None and driver.protocol is not None else []
+            return SampleLoadError(f"rank {rank}: a DataLoader worker died while loading dataset indices "
+                                   f"{awaited}: {death}", rank=rank, indices=awaited)
+        if isinstance(exc, ODBError):
+            return exc
+        return CollateProcessError(f"rank {rank}: collate process crashed: {type(exc).__name__}: {exc}\n"
+                                   f"{traceback.format_exc()}", rank=rank)
+
     def _fail(self, exc: BaseException) -> None:
-        error = exc if isinstance(exc, ODBError) else CollateProcessError(
-            f"rank {self.spec.rank}: collate process crashed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}",
-            rank=self.spec.rank)
+        error = self._as_error(exc)
         if exc.__traceback__ is not None:  # drop the frames' locals: the DataLoader iterator among them
             traceback.clear_frames(exc.__traceback__)
         if self._loading is not None:  # shut the DataLoader workers down now (a stuck one included)
@@ -174,6 +210,7 @@ class CollateServer:
         driver = spec.driver_cls(spec.config, spec.rank, spec.world, cmd.epoch, quota=len(spec.dataset),  # type: ignore[arg-type]
                                  skip=cmd.skip, first_step=cmd.first_step, skip_idle=spec.skip_idle,
                                  trace=[] if self.trace_dir else None)
+        self._driver = driver
         self._open_trace(cmd)
         try:
             facts = {**sampler_facts(self.sampler, spec.dataset), "first_step": cmd.first_step}
@@ -242,7 +279,7 @@ class CollateServer:
             prefetch_factor=spec.prefetch_factor if workers else None,
             multiprocessing_context=spec.worker_start_method if workers else None,
             worker_init_fn=DieWithParent(os.getpid()) if workers else None,
-            timeout=spec.timeout if workers else 0,
+            timeout=check_interval(spec.timeout) if workers else 0,
         )
         it = iter(loader)
         for chunk in chunks:
@@ -252,19 +289,23 @@ class CollateServer:
 
     def _next_chunk(self, it: Iterator[PackedChunk], indices: list[int]) -> PackedChunk:
         """The next loaded chunk, or the typed error of its first bad sample (P4: none is skipped)."""
-        rank = self.spec.rank
-        try:
-            packed = next(it)
-        except (SampleLoadError, InvalidSampleError):
-            raise
-        except Exception as exc:
-            if "timed out" in str(exc) and self.spec.num_workers:
-                raise SampleLoadError(
-                    f"rank {rank}: a DataLoader worker spent over {self.spec.timeout:.0f}s (the timeout) loading "
-                    f"dataset indices {indices} (stuck in the dataset's __getitem__, or length_fn?)",
-                    rank=rank, indices=indices) from None
-            raise SampleLoadError(f"rank {rank}: loading dataset indices {indices} failed: "
-                                  f"{describe_exception(exc)}", rank=rank, indices=indices) from None
+        rank, waited = self.spec.rank, 0.0
+        while True:
+            try:
+                packed = next(it)
+                break
+            except (SampleLoadError, InvalidSampleError):
+                raise
+            except Exception as exc:
+                if not str(exc).startswith("DataLoader timed out") or not self.spec.num_workers:
+                    raise SampleLoadError(f"rank {rank}: loading dataset indices {indices} failed: "
+                                          f"{describe_exception(exc)}", rank=rank, indices=indices) from None
+                waited += check_interval(self.spec.timeout)  # the workers are alive: torch checked
+                if waited >= self.spec.timeout * (1 - 1e-9):
+                    raise SampleLoadError(
+                        f"rank {rank}: a DataLoader worker spent over {self.spec.timeout:.0f}s (the timeout) loading "
+                        f"dataset indices {indices} (stuck in the dataset's __getitem__, or length_fn?)",
+                        rank=rank, indices=indices) from None
         if packed.error is not None:
             raise packed.error
         return packed

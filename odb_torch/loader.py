@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -276,11 +277,11 @@ class ODBDataLoader:
         while True:
             try:
                 payload = self._out.get(timeout=1.0)
-            except (EOFError, OSError) as exc:  # a batch's tensors died with their sender
+            except (EOFError, OSError) as exc:  # the queue's pipe broke with its sender
                 self._proc.join(5.0)
-                self._fail(CollateProcessError(
-                    f"rank {self.rank}: lost the collate process while receiving a batch "
-                    f"(exit code {self._proc.exitcode}): {type(exc).__name__}: {exc}", rank=self.rank))
+                self._fail(self._death() if not self._proc.is_alive() else CollateProcessError(
+                    f"rank {self.rank}: lost the collate process's queue: {type(exc).__name__}: {exc}",
+                    rank=self.rank))
             except queue.Empty:
                 if not self._proc.is_alive():
                     self._fail(self._death())
@@ -293,7 +294,10 @@ class ODBDataLoader:
             self._heard = True
             try:
                 return decode(payload)
-            except Exception as exc:
+            except Exception as exc:  # a batch's tensors died with their sender, or a bad message
+                self._proc.join(1.0)
+                if not self._proc.is_alive():
+                    self._fail(self._death())
                 self._fail(CollateProcessError(f"rank {self.rank}: a message of the collate process cannot be "
                                                f"unpickled here: {type(exc).__name__}: {exc}", rank=self.rank))
 
@@ -303,7 +307,7 @@ class ODBDataLoader:
         if code == 1 and not self._heard:  # died before running ODB's code: spawn bootstrap
             return CollateProcessError(f"rank {self.rank}: " + explain_start_failure(
                 (self._spec, self.sampler), self._start_method, code), rank=self.rank)
-        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
         return CollateProcessError(f"rank {self.rank}: the collate process died ({how})", rank=self.rank)
 
     def _fail(self, exc: Exception) -> NoReturn:

@@ -67,7 +67,7 @@ CASES = [
          id="dataset-size-differs"),
     # processes: the victim is rank 0, faulted at step FAULT_STEP
     case({"fault": "kill_collate", "workers": 2}, "CollateProcessError", "PeerError", None, QUICK,
-         id="collate-process-killed", trace=True),
+         id="collate-process-killed", trace=True, needle="killed by SIGKILL"),
     case({"fault": "kill_rank", "workers": 1}, "no result", "PeerError", None, QUICK, id="rank-killed",
          killed=1, trace=True),
     case({"fault": "stall", "timeout": SHORT}, "PeerError", "PeerError", None, 3 * SHORT + 5, id="rank-stalls",
@@ -105,6 +105,8 @@ def test_fault_is_a_typed_error_on_every_rank_in_bounded_time_leaving_nothing(
     elif indices is not None:
         assert tuple(results[0]["error_indices"]) == indices, results[0]
         assert f"sample {indices[0]}" in results[0]["message"] or f"index {indices[0]}" in results[0]["message"]
+    if "needle" in kw:
+        assert kw["needle"] in results[0]["message"], results[0]
     if kw.get("trace"):
         check_real_traces(tmp_path / "traces", require=("fetch", "gather"))  # the run up to the fault
 
