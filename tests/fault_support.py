@@ -106,6 +106,8 @@ def inject(fault: str, loader: ODBDataLoader, it: Any, result: dict[str, Any]) -
     elif fault == "stall":
         time.sleep(loader.timeout * 2.5)
     elif fault == "sigint":
+        # as at a terminal (a CI job started in the background inherits SIGINT ignored)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         os.kill(os.getpid(), signal.SIGINT)  # KeyboardInterrupt here, as Ctrl-C would raise
     elif fault == "close_next":
         loader.close()

@@ -117,6 +117,8 @@ import torch
 from torch.utils.data import Dataset
 from odb_torch import ODBDataLoader, pad_collate
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal, even if started in the background
+
 class Lines(Dataset):
     def __len__(self):
         return 60
