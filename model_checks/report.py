@@ -9,8 +9,11 @@ the progress invariants, inductiveness: :mod:`model_checks.reach`).
 from __future__ import annotations
 
 import fnmatch
+import sys
 import time
 from typing import Any
+
+from tqdm import tqdm
 
 from model_checks import conformance
 from model_checks import traces as trace_validation
@@ -45,73 +48,33 @@ def check(
     scenarios by glob; ``state_space_equal`` is None when no scenario was picked. The
     ``reach`` object (simulation at W <= 8, progress, inductiveness:
     :func:`model_checks.reach.check_reach`) holds the ``reach_*`` checks ``select`` picks,
-    None when none; ``deep`` runs its longer slice."""
-    def say(msg: str) -> None:
-        if progress:
-            print(msg, flush=True)
-
+    None when none; ``deep`` runs its longer slice. ``progress``: each result as a line
+    on stdout and a bar over the runs on stderr (when it is a terminal)."""
     started = time.perf_counter()
-    sany("MC")
     kinds = ("quick", "sanity", "mutant") + (("deep",) if deep else ())
-    results = []
-    for path in configs(kinds):
-        if fnmatch.fnmatch(path.stem, select):
+    paths = [p for p in configs(kinds) if fnmatch.fnmatch(p.stem, select)]
+    picked = [s for s in conformance.STATE_SPACE_SCENARIOS if fnmatch.fnmatch(s.name, scenarios)]
+    total = len(paths) + len(MUTANTS) + len(picked) + 3 + (real_traces is not None)
+    with _Progress(total, progress) as say:
+        sany("MC")
+        results = []
+        for path in paths:
+            say.stage(f"TLC {path.stem}")
             res = run_config(path)
             say(f"  {res.name}: {res.run.outcome} ({res.run.distinct_states} states, {res.run.seconds:.1f}s)"
                 f"{'' if res.passed else '  <-- expected ' + res.expected}")
+            say.done()
             results.append(res)
-    by_name = {r.name: r for r in results}
-
-    mutants = []
-    for m in MUTANTS:
-        spec_cfg = by_name.get(SPEC_MUTANT[m])
-        caught_hyp = hunt(m, hunt_examples) is not None if hunt_examples else None
-        mutants.append({
-            "name": m,
-            "caught_by_tlc": None if spec_cfg is None else spec_cfg.passed,
-            "caught_by_hypothesis": caught_hyp,
-            "breaks": spec_cfg.expected if spec_cfg else None,
-        })
-        say(f"  mutant {m}: tlc={mutants[-1]['caught_by_tlc']} hypothesis={caught_hyp}")
-
-    spaces = [conformance.compare_state_spaces(s) for s in conformance.STATE_SPACE_SCENARIOS
-              if fnmatch.fnmatch(s.name, scenarios)]
-    for sp in spaces:
-        say(f"  state space {sp.scenario}: {sp.python_states} vs {sp.tlc_states} states, "
-            f"{sp.python_transitions} vs {sp.tlc_transitions} transitions")
-    clean = conformance.clean_traces(traces)
-    verdicts = trace_validation.replay(clean, batch=TRACE_BATCH)
-    accepted = {v.index for v in verdicts if v.accepted}
-    coverage = trace_validation.coverage_report(clean)["total"] if clean else {}
-    per_mutant = conformance.mutant_traces(mutant_traces_each)
-    bad = [t for ts in per_mutant.values() for t in ts]
-    bad_verdicts = trace_validation.replay(bad, batch=TRACE_BATCH)
-    rejected = {v.index for v in bad_verdicts if not v.accepted}
-    say(f"  traces: {len(accepted)}/{len(clean)} accepted; mutant traces rejected {len(rejected)}/{len(bad)}")
-    for v in verdicts:
-        if not v.accepted:
-            say(f"    {v.describe()}")
-    names = [m for m, ts in per_mutant.items() for _ in ts]
-    rejected_by: dict[str, list[str]] = {}
-    for m, v in zip(names, bad_verdicts):
-        rejected_by.setdefault(m, [])
-        if not v.accepted and ",".join(v.reasons) not in rejected_by[m]:
-            rejected_by[m].append(",".join(v.reasons))
-
-    reach = check_reach(deep=deep, select=select, say=say)
-    real = None if real_traces is None else replay_real_traces(real_traces)
-    conf = {
-        "traces_checked": len(clean),
-        "traces_accepted": len(accepted),
-        "trace_rejections": [v.describe() for v in verdicts if not v.accepted],
-        "trace_coverage": coverage,
-        "mutant_traces_rejected_by": rejected_by,
-        "mutant_traces": len(bad),
-        "mutant_traces_rejected": len(rejected),
-        "state_space_equal": all(s.states_equal and s.transitions_equal for s in spaces) if spaces else None,
-        "state_spaces": [s.__dict__ for s in spaces],
-        "real_traces": real,
-    }
+        mutants = _mutants({r.name: r for r in results}, hunt_examples, say)
+        conf = _conformance(picked, traces, mutant_traces_each, say)
+        say.stage("reach")
+        reach = check_reach(deep=deep, select=select, say=say)
+        say.done()
+        if real_traces is not None:
+            say.stage("real traces")
+            conf["real_traces"] = replay_real_traces(real_traces)
+            say.done()
+    real = conf["real_traces"]
     ok = (
         all(r.passed for r in results)
         and all(m["caught_by_tlc"] is not False and m["caught_by_hypothesis"] is not False for m in mutants)
@@ -128,6 +91,96 @@ def check(
         "conformance": conf,
         "reach": reach,
         "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+class _Progress:
+    """``say(line)`` prints a result line on stdout; a tqdm bar on stderr counts the runs
+    (``stage`` names the one under way, ``done`` ends it). Silent when not enabled."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar = tqdm(total=total, desc="odb check", unit="runs", file=sys.stderr, dynamic_ncols=True,
+                        disable=None if enabled else True)
+
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.close()
+
+    def stage(self, name: str) -> None:
+        self.bar.set_postfix_str(name)
+
+    def done(self) -> None:
+        self.bar.update()
+
+    def __call__(self, msg: str) -> None:
+        if self.enabled:
+            self.bar.write(msg, file=sys.stdout)
+
+
+def _mutants(by_name: dict[str, Any], hunt_examples: int, say: _Progress) -> list[dict[str, Any]]:
+    """Each core mutant: caught by its spec mutant under TLC, and by hypothesis (None: not run)."""
+    mutants = []
+    for m in MUTANTS:
+        say.stage(f"hunt {m}")
+        spec_cfg = by_name.get(SPEC_MUTANT[m])
+        caught_hyp = hunt(m, hunt_examples) is not None if hunt_examples else None
+        mutants.append({
+            "name": m,
+            "caught_by_tlc": None if spec_cfg is None else spec_cfg.passed,
+            "caught_by_hypothesis": caught_hyp,
+            "breaks": spec_cfg.expected if spec_cfg else None,
+        })
+        say(f"  mutant {m}: tlc={mutants[-1]['caught_by_tlc']} hypothesis={caught_hyp}")
+        say.done()
+    return mutants
+
+
+def _conformance(picked: list[Any], traces: int, mutant_traces_each: int, say: _Progress) -> dict[str, Any]:
+    """State spaces of core and spec, clean traces replayed under TLC, mutant traces rejected."""
+    spaces = []
+    for scenario in picked:
+        say.stage(f"state space {scenario.name}")
+        sp = conformance.compare_state_spaces(scenario)
+        spaces.append(sp)
+        say(f"  state space {sp.scenario}: {sp.python_states} vs {sp.tlc_states} states, "
+            f"{sp.python_transitions} vs {sp.tlc_transitions} transitions")
+        say.done()
+    say.stage(f"replay {traces} traces")
+    clean = conformance.clean_traces(traces)
+    verdicts = trace_validation.replay(clean, batch=TRACE_BATCH)
+    say.done()
+    accepted = {v.index for v in verdicts if v.accepted}
+    coverage = trace_validation.coverage_report(clean)["total"] if clean else {}
+    say.stage("replay mutant traces")
+    per_mutant = conformance.mutant_traces(mutant_traces_each)
+    bad = [t for ts in per_mutant.values() for t in ts]
+    bad_verdicts = trace_validation.replay(bad, batch=TRACE_BATCH)
+    rejected = {v.index for v in bad_verdicts if not v.accepted}
+    say.done()
+    say(f"  traces: {len(accepted)}/{len(clean)} accepted; mutant traces rejected {len(rejected)}/{len(bad)}")
+    for v in verdicts:
+        if not v.accepted:
+            say(f"    {v.describe()}")
+    names = [m for m, ts in per_mutant.items() for _ in ts]
+    rejected_by: dict[str, list[str]] = {}
+    for m, v in zip(names, bad_verdicts):
+        rejected_by.setdefault(m, [])
+        if not v.accepted and ",".join(v.reasons) not in rejected_by[m]:
+            rejected_by[m].append(",".join(v.reasons))
+    return {
+        "traces_checked": len(clean),
+        "traces_accepted": len(accepted),
+        "trace_rejections": [v.describe() for v in verdicts if not v.accepted],
+        "trace_coverage": coverage,
+        "mutant_traces_rejected_by": rejected_by,
+        "mutant_traces": len(bad),
+        "mutant_traces_rejected": len(rejected),
+        "state_space_equal": all(s.states_equal and s.transitions_equal for s in spaces) if spaces else None,
+        "state_spaces": [s.__dict__ for s in spaces],
+        "real_traces": None,
     }
 
 

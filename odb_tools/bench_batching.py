@@ -28,6 +28,7 @@ from odb_core import ODBConfig, audit, simulate
 from odb_core.distributions import sample_lengths
 from odb_core.grouping import form_groups, group_buffer
 from odb_tools import baselines
+from odb_tools.progress import bar
 from odb_tools.reference_alignment import reference_alignment, reference_sample
 
 FITTED = ("ultrachat", "llava", "sharegpt4o")
@@ -141,9 +142,11 @@ def chat_lengths(max_length: int = 16384) -> list[int] | None:
 
 
 def rows_for(name: str, lengths: list[int], budget: int, worlds: Sequence[int], buffer_size: int,
-             seed: int = 0, reference_worlds: Sequence[int] = ()) -> list[dict[str, Any]]:
+             seed: int = 0, reference_worlds: Sequence[int] = (),
+             tick: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
     """Every batcher's row for one distribution and budget; ``reference_worlds``: world
-    sizes at which the reference package runs live on Gloo ranks (when installed)."""
+    sizes at which the reference package runs live on Gloo ranks (when installed).
+    ``tick(stage)`` is called after each of its ``2 + len(worlds)`` stages (progress)."""
     n = len(lengths)
     per = 1e5 / n
     bs = baselines.survival_batch_size(lengths, budget)
@@ -155,6 +158,7 @@ def rows_for(name: str, lengths: list[int], budget: int, worlds: Sequence[int], 
                      "fixed_batch_size": bs if batcher in ("standard", "sorted", "hfg-oracle") else None})
 
     odb_seconds = odb_formation(lengths, budget, buffer_size)
+    tick("formation")
     for world in worlds:
         fixed: dict[str, Callable[[], list[list[int]]]] = {
             "standard": lambda: baselines.standard(lengths, bs, world, seed),
@@ -179,6 +183,7 @@ def rows_for(name: str, lengths: list[int], budget: int, worlds: Sequence[int], 
         figures["updates"] = a.steps_per_rank[0]
         figures["samples_per_update"] = sum(a.emitted_per_rank) / max(a.steps_per_rank[0], 1)
         row("odb", world, figures, a.alignment_overhead, odb_seconds)
+        tick(f"W={world}")
     ref = reference_groups(lengths, budget, buffer_size)
     if ref is not None:
         groups, seconds = ref
@@ -198,6 +203,7 @@ def rows_for(name: str, lengths: list[int], budget: int, worlds: Sequence[int], 
     if lhotse is not None:
         groups, seconds = lhotse
         row("lhotse DynamicBucketingSampler (1 rank)", 1, shape(groups, lengths, budget, 1), None, seconds)
+    tick("peers")
     return rows
 
 
@@ -207,19 +213,32 @@ def _buffers(lengths: Sequence[int], budget: int, buffer_size: int) -> list[tupl
 
 def run(samples: int = 100_000, budgets: Sequence[int] = (8192, 16384), worlds: Sequence[int] = (1, 2, 4, 8),
         buffer_size: int = 1024, distributions: Sequence[str] = (*FITTED, "chat"), seed: int = 0,
-        reference_worlds: Sequence[int] = (8,)) -> list[dict[str, Any]]:
-    """Every row of the benchmark."""
+        reference_worlds: Sequence[int] = (8,), progress: bool = False) -> list[dict[str, Any]]:
+    """Every row of the benchmark; ``progress``: a bar on stderr (when it is a terminal)."""
     rows: list[dict[str, Any]] = []
-    for name in distributions:
-        if name == "chat":
-            lengths = chat_lengths()
-            if lengths is None:
-                continue
-        else:
-            lengths = sample_lengths(name, samples, seed)
-        for budget in budgets:
-            rows += rows_for(name, lengths, budget, worlds, buffer_size, seed, reference_worlds)
+    stages = len(distributions) * len(budgets) * (2 + len(worlds))
+    with bar(stages, "bench batching", "stages", progress) as b:
+        for name in distributions:
+            b.set_description_str(name)
+            if name == "chat":
+                lengths = chat_lengths()
+                if lengths is None:
+                    b.update(len(budgets) * (2 + len(worlds)))
+                    continue
+            else:
+                lengths = sample_lengths(name, samples, seed)
+            for budget in budgets:
+                rows += rows_for(name, lengths, budget, worlds, buffer_size, seed, reference_worlds,
+                                 _ticker(b, budget))
     return rows
+
+
+def _ticker(b: Any, budget: int) -> Callable[[str], None]:
+    """A ``rows_for`` tick that advances the bar ``b`` by one stage."""
+    def tick(stage: str) -> None:
+        b.set_postfix_str(f"budget {budget}, {stage} done", refresh=False)
+        b.update()
+    return tick
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

@@ -81,7 +81,11 @@ def _simulate(args: argparse.Namespace) -> int:
         )
     except ValidationError as exc:
         raise SystemExit(f"odb simulate: invalid configuration:\n{exc}") from None
-    report = audit(simulate(lengths, args.world, config, args.schedule, shuffle=not args.no_shuffle)).to_json()
+    from odb_tools.progress import simulation_bar
+
+    with simulation_bar(len(lengths), args.world, enabled=not args.json) as observer:
+        result = simulate(lengths, args.world, config, args.schedule, shuffle=not args.no_shuffle, observer=observer)
+    report = audit(result).to_json()
     if args.json:
         print(json.dumps(report))
     else:
@@ -199,7 +203,7 @@ def _bench_batching(args: argparse.Namespace) -> int:
 
     rows = run(samples=args.samples, budgets=args.budgets, worlds=args.worlds, buffer_size=args.buffer_size,
                distributions=[d for d in args.distributions.split(",") if d], seed=args.seed,
-               reference_worlds=args.reference_worlds)
+               reference_worlds=args.reference_worlds, progress=not args.json)
     print(json.dumps({"rows": rows}) if args.json else markdown(rows))
     return 0
 

@@ -1,6 +1,8 @@
 """odb_torch.pad_collate: right-padding of token fields, default_collate for the rest."""
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from odb_torch import pad_collate
 
@@ -20,6 +22,42 @@ def test_pads_token_fields_and_collates_the_rest():
 def test_single_sample_batch_is_unpadded():
     batch = pad_collate([{"input_ids": [1, 2], "labels": [-100, 2]}])
     assert batch["input_ids"].tolist() == [[1, 2]] and batch["labels"].tolist() == [[-100, 2]]
+    assert batch["attention_mask"].tolist() == [[1, 1]]
+
+
+token_rows = st.lists(st.lists(st.integers(0, 1000), min_size=1, max_size=40), min_size=1, max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=token_rows, pad_id=st.integers(0, 5), as_tensor=st.booleans())
+def test_made_attention_mask_marks_exactly_the_real_tokens(rows, pad_id, as_tensor):
+    """Samples without a mask get one: row k is 1 over its real length, 0 over the padding,
+    whatever the token values (pad_id may occur inside a sample)."""
+    samples = [{"input_ids": torch.tensor(r) if as_tensor else r, "labels": r} for r in rows]
+    batch = pad_collate(samples, pad_id=pad_id)
+    mask = batch["attention_mask"]
+    width = max(map(len, rows))
+    assert mask.dtype == torch.int64 and mask.shape == batch["input_ids"].shape == (len(rows), width)
+    assert mask.sum(dim=1).tolist() == [len(r) for r in rows]
+    assert mask.tolist() == [[1] * len(r) + [0] * (width - len(r)) for r in rows]
+    assert batch["input_ids"].tolist() == [r + [pad_id] * (width - len(r)) for r in rows]
+    assert batch["labels"].tolist() == [r + [-100] * (width - len(r)) for r in rows]
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=token_rows, data=st.data())
+def test_a_carried_attention_mask_is_padded_not_replaced(rows, data):
+    own = [data.draw(st.lists(st.integers(0, 1), min_size=len(r), max_size=len(r))) for r in rows]
+    batch = pad_collate([{"input_ids": r, "attention_mask": m} for r, m in zip(rows, own)])
+    width = max(map(len, rows))
+    assert batch["attention_mask"].tolist() == [m + [0] * (width - len(m)) for m in own]
+
+
+@settings(max_examples=50, deadline=None)
+@given(rows=token_rows)
+def test_attention_mask_false_adds_none(rows):
+    batch = pad_collate([{"input_ids": r} for r in rows], attention_mask=False)
+    assert set(batch) == {"input_ids"}
 
 
 def test_packed_transport_round_trips_structure_values_and_dtypes():

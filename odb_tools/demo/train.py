@@ -24,7 +24,6 @@ import contextlib
 import json
 import math
 import random
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -39,6 +38,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from odb_torch.collate import pad_collate
 from odb_tools.demo.chat_data import ChatDataset
 from odb_tools.demo.model import ModelConfig, TinyCausalLM
+from odb_tools.progress import bar
 from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import shifted_loss_tokens
 from odb_torch.windows import AccumulationWindows
@@ -120,14 +120,6 @@ def _loader(cfg: RunConfig, data: ChatDataset, rank: int, world: int, port: int)
     return plain, len(plain)
 
 
-def _bar(name: str, done: int, total: int, started: float) -> None:
-    width = 30
-    filled = int(width * min(done, total) / max(total, 1))
-    rate = done / max(time.perf_counter() - started, 1e-9)
-    sys.stderr.write(f"\r{name:>8} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} samples {rate:6.1f}/s")
-    sys.stderr.flush()
-
-
 @torch.no_grad()
 def evaluate(model: TinyCausalLM, data: ChatDataset, rank: int, world: int) -> float:
     """Per-token loss of ``model`` over all of ``data`` (ranks split it; batches of 8)."""
@@ -172,6 +164,7 @@ def run_rank(rank: int, world: int, port: int, cfg: RunConfig, data: ChatDataset
     seen = real = padded = 0
     update = torch.zeros(3, dtype=torch.float64)  # this update's summed loss, loss tokens, samples (every rank)
     total_tokens = sum(data.lengths())
+    progress = bar(len(data), f"{cfg.method:>8}", "samples", enabled=rank == 0 and cfg.progress)
     try:
         for batch, multiplier, local, last in _micro_batches(cfg, loader):
             ids, labels = batch["input_ids"], batch["labels"]
@@ -198,16 +191,14 @@ def run_rank(rank: int, world: int, port: int, cfg: RunConfig, data: ChatDataset
                 log.append({"samples": seen, "loss": float(update[0]) / max(float(update[1]), 1.0),
                             "tokens": float(update[1]), "step_samples": float(update[2])})
                 update.zero_()
-            if rank == 0 and cfg.progress:
-                _bar(cfg.method, seen, len(data), started)
+            progress.update(int(stats[2]))
     finally:
+        progress.close()
         if cfg.method == "odb":
             loader.close()
     seconds = time.perf_counter() - started
     final = evaluate(model.module, probe, rank, world) if probe is not None else float("nan")
     if rank == 0:
-        if cfg.progress:
-            sys.stderr.write("\n")
         Path(out).write_text(json.dumps({"config": asdict(cfg), "seconds": seconds, "samples": seen, "final_loss": final,
                                          "real_tokens": real, "padded_tokens": padded, "log": log}))
     dist.destroy_process_group()
