@@ -94,6 +94,19 @@ class CheckpointStateError(ODBError, ValueError):
     this run (rank, world size, seed, accumulation steps); names the file."""
 
 
+class UnsupportedSettingError(ODBError, ValueError):
+    """A setting ODB cannot honour soundly (a TRL option such as ``packing``, a DataLoader
+    field such as ``batch_sampler``), refused before anything starts rather than silently
+    dropped; ``field`` names the first such setting, ``fields`` all of them, and the message
+    says why and what to do instead."""
+
+    def __init__(self, message: str = "", *, field: str = "", fields: Sequence[str] = (),
+                 rank: int | None = None) -> None:
+        super().__init__(message, rank=rank)
+        self.fields = tuple(fields) or ((field,) if field else ())
+        self.field = field or (self.fields[0] if self.fields else "")
+
+
 class ConfigMismatchError(ODBError):
     """Ranks disagree on the protocol configuration, the epoch or the sampler (raised on every
     rank at the epoch's first gather, before any batch); ``field`` names what differs and

@@ -1,6 +1,7 @@
 """ODB's PyTorch adapter: the production DataLoader over :mod:`odb_core`.
 
-``from odb_torch import ODBDataLoader, pad_collate``. Importing this package does not import
+``from odb_torch import ODBDataLoader, pad_collate`` (and ``from_dataloader`` to convert a
+DataLoader a framework built). Importing this package does not import
 torch until the loader is used. It holds only what runs in training (the loader, its
 collate process, windows, schedules, losses, step info, collates, trainer adapters) and
 imports only :mod:`odb_core`; the ``odb`` command and its tools live in :mod:`odb_tools`.
@@ -12,10 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from odb_torch.collate import pad_collate
+    from odb_torch.convert import from_dataloader
     from odb_torch.loader import ODBDataLoader
     from odb_torch.step_info import StepInfo
 
-__all__ = ["ODBDataLoader", "StepInfo", "pad_collate"]
+__all__ = ["ODBDataLoader", "StepInfo", "from_dataloader", "pad_collate"]
 
 
 def __getattr__(name: str) -> Any:
@@ -27,6 +29,10 @@ def __getattr__(name: str) -> Any:
         from odb_torch.collate import pad_collate
 
         return pad_collate
+    if name == "from_dataloader":
+        from odb_torch.convert import from_dataloader
+
+        return from_dataloader
     if name == "StepInfo":
         from odb_torch.step_info import StepInfo
 
