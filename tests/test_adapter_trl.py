@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +46,24 @@ def example() -> Any:
     return trl_sft
 
 
+def shm_left_behind(before: set[str], grace: float = 10.0) -> list[str]:
+    """/dev/shm entries created since ``before`` that are still there after up to ``grace`` seconds
+    (a launcher's resource tracker unlinks what it tracked just after the ranks exit)."""
+    deadline = time.monotonic() + grace
+    while True:
+        left = sorted(set(os.listdir("/dev/shm")) - before)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
 def run(tmp: Path, world: int, data: str, save_steps: int = 0, stop_at: int = 0) -> dict[str, list[dict[str, Any]]]:
-    """Run "a" (2 epochs, accumulation 2); with ``stop_at``, run "b" resuming it in the same processes."""
+    """Run "a" (2 epochs, accumulation 2); with ``stop_at``, run "b" resuming it in the same processes.
+    Fails unless torchrun exits 0 in time and leaves no process (run_torchrun) and no /dev/shm entry."""
+    before = set(os.listdir("/dev/shm"))
     run_torchrun(WORKER, [str(tmp), data, "2", "2", str(save_steps), str(stop_at)], world)
+    left = shm_left_behind(before)
+    assert not left, f"shared memory left behind: {left}"
     tags = ("a", "b") if stop_at else ("a",)
     return {tag: [json.loads((tmp / f"{tag}_rank{r}.json").read_text()) for r in range(world)] for tag in tags}
 
