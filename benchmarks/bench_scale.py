@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from odb_core import ODBConfig, audit, simulate  # noqa: E402
-from odb_core.alignment import TARGET_POLICIES  # noqa: E402
+from odb_core.alignment import TARGET_FUNCTIONS  # noqa: E402
 from odb_core.distributions import sample_lengths  # noqa: E402
 from odb_core.epoch import EpochDriver  # noqa: E402
 from odb_core.wire import HeaderGather, StepGather, payload_bytes  # noqa: E402
@@ -95,7 +95,7 @@ def protocol_rounds(world: int, buffer: int, budget: int, reps: int, rounds: int
         gc.freeze()  # the other W - 1 ranks' state is not in rank 0's process: keep it out of its GC
         total = cpu(rank0_round, reps)
         decode_headers = cpu(lambda: HeaderGather.decode(vectors, world, it, rnd), reps)
-        policy = TARGET_POLICIES[config.target_policy]
+        policy = TARGET_FUNCTIONS[config.target_policy]
         target_s = cpu(lambda: policy(headers.headers), reps)
         decode_steps = cpu(lambda: StepGather(step_vectors, headers, target), reps)
         gc.unfreeze()

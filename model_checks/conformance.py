@@ -27,6 +27,7 @@ from typing import Any
 from model_checks.mutants import driver
 from model_checks.tla import SPEC_DIR, TlcRun, sany, tlc
 from odb_core import ODBConfig, RankProtocol
+from odb_core.config import OVERFLOW_POLICIES, TARGET_POLICIES
 from odb_core.epoch import EpochDriver
 from odb_core.quota import QuotaTracker
 from odb_core.sampler import permutation
@@ -393,7 +394,7 @@ def random_scenario(rng: random.Random, seed: int, mutant: str | None = None) ->
     scenario = Scenario(
         name="trace", lengths=tuple(tuple(lengths[i] for i in views) for views in shards), budget=budget,
         buffer_size=buffer_size, depth=buffer_size + rng.randint(0, 2), capacity=rng.choice([0, 0, 1, 2]),
-        join=join, overflow=rng.choice(["largest", "oldest"]), policy=rng.choice(["paper", "all-ready", "balanced"]),
+        join=join, overflow=rng.choice(OVERFLOW_POLICIES), policy=rng.choice(TARGET_POLICIES),
         mutant=mutant, seed=seed, dataset_size=n, regroup=regroup,
     )
     return scenario, lengths, schedule

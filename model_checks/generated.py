@@ -98,7 +98,9 @@ def run_tlc(module: str, cfg: str, modules: dict[str, str], args: Sequence[str],
             (tmp / name).write_text(text)
         (tmp / f"{module}.cfg").write_text(cfg)
         jit = ["-XX:TieredStopAtLevel=1"] if short else []
-        cmd = [java(), "-XX:+UseParallelGC", *jit, "-Xss64m", "-cp", str(jar_path()), "tlc2.TLC", "-nowarning",
+        # its own java.io.tmpdir: TLC copies its standard modules there (see model_checks.tla.tlc)
+        cmd = [java(), "-XX:+UseParallelGC", *jit, "-Xss64m", f"-Djava.io.tmpdir={tmp}", "-cp", str(jar_path()),
+               "tlc2.TLC", "-nowarning",
                "-workers", str(workers), "-config", str(tmp / f"{module}.cfg"), "-metadir", str(tmp / "states"),
                *args, module]
         started = time.perf_counter()

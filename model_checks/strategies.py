@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from hypothesis import strategies as st
 
 from odb_core import ODBConfig
+from odb_core.config import OVERFLOW_POLICIES, TARGET_POLICIES
 from odb_core.schedules import SCHEDULES
 
 
@@ -64,8 +65,8 @@ def cases(
         mode=draw(st.sampled_from(modes)),
         loss_scaling=draw(st.sampled_from(["none", "sample", "approx", "exact"])),
         seed=draw(st.integers(0, 2**16)),
-        target_policy=draw(st.sampled_from(["paper", "all-ready", "balanced"])),
-        overflow_policy=draw(st.sampled_from(["largest", "oldest"])),
+        target_policy=draw(st.sampled_from(TARGET_POLICIES)),
+        overflow_policy=draw(st.sampled_from(OVERFLOW_POLICIES)),
         output_capacity=draw(st.integers(1, 16) if need_capacity else st.one_of(st.none(), st.integers(1, 16))),
         regroup_padding=draw(st.sampled_from([None, 0.0, 0.02, 0.1])),
     )

@@ -73,8 +73,9 @@ SANY_FAILURE = re.compile(r"Semantic errors|\*\*\* Errors|Parse Error|Lexical er
 
 def sany(module: str, cwd: Path = SPEC_DIR) -> str:
     """Parse ``module`` with SANY; raise on any error (SANY's exit code is 0 even then)."""
-    out = subprocess.run([java(), "-cp", str(jar_path()), "tla2sany.SANY", f"{module}.tla"],
-                         cwd=cwd, capture_output=True, text=True, timeout=300)
+    with tempfile.TemporaryDirectory(prefix="odb-sany-") as scratch:
+        out = subprocess.run([java(), f"-Djava.io.tmpdir={scratch}", "-cp", str(jar_path()), "tla2sany.SANY",
+                              f"{module}.tla"], cwd=cwd, capture_output=True, text=True, timeout=300)
     text = out.stdout + out.stderr
     if out.returncode != 0 or SANY_FAILURE.search(text):
         raise ModelCheckError(f"SANY rejected {module}.tla:\n{text}")
@@ -121,7 +122,9 @@ def tlc(module: str, config: Path, cwd: Path = SPEC_DIR, workers: int = 2, extra
         timeout: float = 1800) -> TlcRun:
     """Run TLC on ``module`` with ``config`` and parse the result (deadlock checking on)."""
     with tempfile.TemporaryDirectory(prefix="odb-tlc-") as meta:
-        cmd = [java(), "-XX:+UseParallelGC", "-Xss64m", "-cp", str(jar_path()), "tlc2.TLC",
+        # java.io.tmpdir of its own: TLC copies its standard modules (Naturals.tla, ...) there, and
+        # two runs sharing /tmp can read each other's half-written copy (a flaky parse failure)
+        cmd = [java(), "-XX:+UseParallelGC", "-Xss64m", f"-Djava.io.tmpdir={meta}", "-cp", str(jar_path()), "tlc2.TLC",
                "-workers", str(workers), "-config", str(config), "-metadir", meta, *extra, module]
         started = time.perf_counter()
         out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,

@@ -36,6 +36,7 @@ from typing import Any
 
 from model_checks.conformance import VARIABLES, Scenario, Trace, Value, to_tla
 from model_checks.tla import SPEC_DIR, tlc
+from odb_core.config import OVERFLOW_POLICIES, TARGET_POLICIES
 
 #: the invariants of spec/ODB.tla checked on every replayed state (TypeOK first: if it
 #: fails the others are not reported). JoinCoverage and QuotaClosure hold trivially
@@ -126,7 +127,7 @@ def shape_errors(trace: Trace) -> str | None:
     for key in ("Depth", "Capacity", "Quota", "RegroupNum", "RegroupDen"):
         if not (isinstance(consts[key], int) and consts[key] >= 0):
             return f"{key} = {consts[key]!r} must be >= 0"
-    if consts["Overflow"] not in ("largest", "oldest") or consts["Policy"] not in ("paper", "all-ready", "balanced"):
+    if consts["Overflow"] not in OVERFLOW_POLICIES or consts["Policy"] not in TARGET_POLICIES:
         return f"unknown overflow or target policy ({consts['Overflow']!r}, {consts['Policy']!r})"
     if not trace.states:
         return "no states"

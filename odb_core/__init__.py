@@ -1,7 +1,7 @@
 """ODB protocol core: pure-Python, sans-IO Online Dynamic Batching.
 
 No torch, no sockets, no processes, no sleeping: plain data in, plain data out.
-Properties P1-P8 are defined in the project's DESIGN notes and cited in docstrings.
+Properties P1-P8 are the guarantees tabled in the README ("Guarantees") and cited in docstrings.
 """
 
 from odb_core.audit import Audit, audit
@@ -17,6 +17,7 @@ from odb_core.errors import (
     PeerInconsistencyError,
     ProtocolStateError,
     SampleLoadError,
+    StartMethodError,
     WireFormatError,
 )
 from odb_core.grouping import batch_size_for, form_groups
@@ -33,6 +34,7 @@ __all__ = [
     "CollateProcessError",
     "PeerError",
     "SampleLoadError",
+    "StartMethodError",
     "Header",
     "InvalidSampleError",
     "LoaderStateError",

@@ -66,8 +66,9 @@ def balanced_target(headers: Sequence[Header]) -> int:
     return _bounded(active, -(-sum(h.groups for h in active) // len(active))) if active else 0
 
 
-TARGET_POLICIES: dict[str, TargetPolicy] = {
+TARGET_FUNCTIONS: dict[str, TargetPolicy] = {
     "paper": paper_target, "all-ready": all_ready_target, "balanced": balanced_target}
+"""The target function of each name in :data:`odb_core.config.TARGET_POLICIES`."""
 
 
 def split_to(groups: list[list[int]], target: int) -> list[list[int]]:

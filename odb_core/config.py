@@ -8,7 +8,7 @@ gathered data with the same parameters.
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -16,6 +16,13 @@ Mode = Literal["join", "non-join"]
 LossScaling = Literal["none", "sample", "approx", "exact"]
 TargetPolicyName = Literal["paper", "all-ready", "balanced"]
 OverflowPolicyName = Literal["largest", "oldest"]
+
+MODES: tuple[Mode, ...] = get_args(Mode)
+TARGET_POLICIES: tuple[TargetPolicyName, ...] = get_args(TargetPolicyName)
+"""The one list of target policy names: the core's strategies, the CLI, the hypothesis
+strategies, the conformance scenarios and the spec's ``Policy`` constant are checked
+against it (``tests/test_policy_names.py``)."""
+OVERFLOW_POLICIES: tuple[OverflowPolicyName, ...] = get_args(OverflowPolicyName)
 
 
 class ODBConfig(BaseModel):

@@ -79,6 +79,12 @@ class CollateProcessError(ODBError):
     """A rank's collate process died or could not start; names the rank and exit code."""
 
 
+class StartMethodError(CollateProcessError):
+    """The collate process cannot start with the chosen ``start_method`` (``spawn`` or
+    ``forkserver`` re-import the script that started training): raised on every rank before
+    any process starts; the message names the cause and the fix."""
+
+
 class PeerError(ODBError):
     """A collective of the collate group failed: a peer rank died, or a straggler exceeded the timeout."""
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from odb_core.alignment import TARGET_POLICIES, align
+from odb_core.alignment import TARGET_FUNCTIONS, align
 from odb_core.config import ODBConfig
 from odb_core.errors import InvalidSampleError, PeerInconsistencyError, ProtocolStateError
 from odb_core.grouping import check_length, group_buffer, hold_sparse
@@ -112,7 +112,7 @@ class RankProtocol:
         self.views = list(views)
         self.iteration = iteration
         self.epoch = epoch
-        self._target_policy = TARGET_POLICIES[config.target_policy]
+        self._target_policy = TARGET_FUNCTIONS[config.target_policy]
         self._next = 0  # R = views[_next:]
         self._inflight: set[int] = set()  # Q
         self._length: dict[int, int] = {}  # B: pos -> realized length

@@ -14,11 +14,13 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import get_args
 
 from pydantic import ValidationError
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from odb_core.config import MODES, OVERFLOW_POLICIES, TARGET_POLICIES, LossScaling
     from odb_core.distributions import DISTRIBUTIONS
     from odb_core.schedules import SCHEDULES
 
@@ -33,12 +35,12 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--token-budget", type=int, default=8192, help="L_max, padded tokens per group (default 8192)")
     p.add_argument("--buffer-size", type=int, default=1024, help="samples buffered before grouping (default 1024)")
     p.add_argument("--depth", type=int, default=None, help="outstanding depth D (default: buffer size)")
-    p.add_argument("--mode", choices=["join", "non-join"], default="join")
+    p.add_argument("--mode", choices=MODES, default="join")
     p.add_argument("--schedule", choices=SCHEDULES, default="in_order", help="delivery schedule / sharding")
-    p.add_argument("--target-policy", choices=["balanced", "all-ready", "paper"], default="balanced")
-    p.add_argument("--overflow-policy", choices=["largest", "oldest"], default="largest")
+    p.add_argument("--target-policy", choices=TARGET_POLICIES, default="balanced")
+    p.add_argument("--overflow-policy", choices=OVERFLOW_POLICIES, default="largest")
     p.add_argument("--capacity", type=int, default=None, help="output slots per rank per round (default unbounded)")
-    p.add_argument("--loss-scaling", choices=["none", "sample", "approx", "exact"], default="exact")
+    p.add_argument("--loss-scaling", choices=get_args(LossScaling), default="exact")
     p.add_argument("--regroup-padding", type=float, default=0.02,
                    help="hold back groups padded above this fraction to regroup (default 0.02; negative: off)")
     p.add_argument("--seed", type=int, default=0)

@@ -4,7 +4,7 @@ Every protocol decision of an epoch (the handshake, chaining, the quota, stall
 detection, the ``skip_idle`` end, the resume skip, the step order) is the driver's;
 :class:`CollateServer` only moves data: it loads the positions the driver asks for
 through a plain :class:`torch.utils.data.DataLoader` (workers load, measure and pack
-chunks of consecutive views, :mod:`odb_torch.transport`), gathers the driver's vectors
+chunks of consecutive views, :mod:`odb_torch.sample_packing`), gathers the driver's vectors
 over a Gloo group of its own (its own TCPStore and ProcessGroupGloo, never the default
 group, so it is isolated from the trainer's NCCL or Gloo group), runs the user's
 ``collate_fn`` and puts :mod:`odb_torch.messages` on a bounded queue to the trainer.
@@ -38,7 +38,7 @@ from odb_core.errors import CollateFnError, CollateProcessError, InvalidSampleEr
 from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, encode
 from odb_torch.process_guard import DieWithParent
 from odb_torch.step_info import StepInfo
-from odb_torch.transport import IndexedDataset, PackedChunk, Packer, describe_exception, unpack
+from odb_torch.sample_packing import IndexedDataset, PackedChunk, Packer, describe_exception, unpack
 
 MAX_CHUNK = 64
 """At most this many consecutive sampler views are loaded and shipped as one packed chunk."""
@@ -404,6 +404,11 @@ def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any) -> None:
     """Process entry point: serve epochs until told to stop (:class:`CollateServer`).
 
     Ctrl-C reaches the whole process group; the trainer reacts to it (its loader stops
-    this process), so here SIGINT is ignored rather than a second traceback."""
+    this process), so here SIGINT is ignored rather than a second traceback. A forked
+    child inherits the trainer's Python signal handlers (a framework's SIGTERM handler
+    that only sets a flag, torch's SIGCHLD handler for the trainer's own DataLoader
+    workers): SIGTERM and SIGCHLD go back to their defaults, so ``terminate()`` ends it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     CollateServer(spec, sampler, ctrl, out).serve()

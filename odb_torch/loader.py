@@ -2,26 +2,26 @@
 
 from __future__ import annotations
 
-import os
+import inspect
 import queue
 import signal
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
-import torch.distributed as dist
 import torch.multiprocessing as tmp
 from torch.utils.data import Dataset, DistributedSampler, default_collate
 
 from odb_core import ODBConfig
+from odb_core.config import LossScaling, Mode, TargetPolicyName
 from odb_core.epoch import EpochDriver
 from odb_core.errors import CollateProcessError, LoaderStateError, PeerError
 from odb_torch.collate_process import CollateSpec, collate_main
 from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, decode
-from odb_torch.ports import free_port
+from odb_torch.loader_options import CONFIG_DEFAULT, collate_rendezvous, protocol_config, rank_and_world
 from odb_torch.process_guard import close_at_exit
-from odb_torch.start_failure import explain_start_failure
+from odb_torch.start_failure import StartMethod, check_spawnable, explain_start_failure, resolve_start_method
 from odb_torch.step_info import StepInfo
 
 SILENCE_GRACE = 2.0
@@ -52,8 +52,10 @@ class ODBDataLoader:
         token_budget: L_max, padded tokens per batch.
         config: the core's :class:`~odb_core.ODBConfig` instead of the protocol keywords
             (token_budget, buffer_size, depth, mode, loss_scaling, target_policy, seed, shuffle_steps,
-            regroup_padding);
-            when given, those keywords are ignored.
+            regroup_padding); a keyword given with it must agree with it (``ValueError``
+            naming the keyword otherwise). Protocol keywords left out take ``ODBConfig``'s
+            defaults (buffer 1024, depth = buffer, join, exact, balanced, seed 0,
+            shuffled steps, regroup above 2% padding).
         collate_fn: turns a list of samples into a batch (default ``default_collate``).
         mode: ``"join"`` (default): every sampler view is yielded once per epoch (P4);
             ``"non-join"``: the paper's opt-in mode, where an epoch ends at the first step
@@ -74,7 +76,12 @@ class ODBDataLoader:
         init_method: rendezvous of the collate group (default ``tcp://MASTER_ADDR:
             MASTER_PORT+1``, or a free local port when alone; env ``ODB_COLLATE_PORT``).
         timeout: seconds before a silent collate process or peer is an error.
-        start_method: how the collate process starts: spawn, forkserver or fork.
+        start_method: how the collate process starts: ``"auto"`` (default): ``fork`` on
+            Linux, as a plain DataLoader starts its workers (nothing pickled, the script
+            never re-run: notebooks, ``python - < script`` and scripts without a main guard
+            work; the collate process never touches CUDA), else ``spawn``; or ``"spawn"``,
+            ``"forkserver"``, ``"fork"``. Under spawn and forkserver, what cannot start is
+            refused before any process starts (:class:`~odb_core.errors.StartMethodError`).
         worker_start_method: how the collate process starts its DataLoader workers
             (default ``fork`` where available: the collate process is a fresh process
             that has touched no CUDA, so forking it is safe and skips re-importing torch
@@ -96,51 +103,32 @@ class ODBDataLoader:
         shuffle: bool = True,
         num_workers: int = 4,
         prefetch_factor: int | None = 2,
-        buffer_size: int = 1024,
-        depth: int | None = None,
-        mode: str = "join",
-        loss_scaling: str = "exact",
-        target_policy: str = "balanced",
-        seed: int = 0,
+        buffer_size: int = CONFIG_DEFAULT,
+        depth: int | None = CONFIG_DEFAULT,
+        mode: Mode = CONFIG_DEFAULT,
+        loss_scaling: LossScaling = CONFIG_DEFAULT,
+        target_policy: TargetPolicyName = CONFIG_DEFAULT,
+        seed: int = CONFIG_DEFAULT,
         length_fn: Callable[[Any], int] | None = None,
         loss_tokens_fn: Callable[[Any], int] | None = None,
         skip_idle: bool = False,
-        shuffle_steps: bool = True,
-        regroup_padding: float | None = 0.02,
+        shuffle_steps: bool = CONFIG_DEFAULT,
+        regroup_padding: float | None = CONFIG_DEFAULT,
         init_method: str | None = None,
         timeout: float = 300.0,
-        start_method: str = "spawn",
-        worker_start_method: str | None = None,
+        start_method: StartMethod = "auto",
+        worker_start_method: Literal["fork", "spawn", "forkserver"] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         queue_size: int = 8,
     ) -> None:
-        if config is not None:
-            if token_budget is not None and token_budget != config.token_budget:
-                raise ValueError(f"token_budget={token_budget} contradicts config.token_budget={config.token_budget}; "
-                                 "pass one of them")
-            self.config = config
-        elif token_budget is None:
-            raise ValueError("ODBDataLoader needs token_budget (or config=ODBConfig(...))")
-        else:
-            self.config = ODBConfig(
-                token_budget=token_budget, buffer_size=buffer_size, depth=depth, mode=mode,  # type: ignore[arg-type]
-                loss_scaling=loss_scaling, target_policy=target_policy, seed=seed,  # type: ignore[arg-type]
-                shuffle_steps=shuffle_steps, regroup_padding=regroup_padding,
-            )
+        self.config = protocol_config(config, token_budget, dict(
+            buffer_size=buffer_size, depth=depth, mode=mode, loss_scaling=loss_scaling, target_policy=target_policy,
+            seed=seed, shuffle_steps=shuffle_steps, regroup_padding=regroup_padding))
         seed = self.config.seed
-        if rank is None:
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
-        if world_size is None:
-            world_size = (dist.get_world_size() if dist.is_available() and dist.is_initialized()
-                          else int(os.environ.get("WORLD_SIZE", 1)))
+        rank, world_size = rank_and_world(rank, world_size)
         self.rank, self.world_size = rank, world_size
-        if init_method is None:
-            if "ODB_COLLATE_PORT" in os.environ or world_size > 1:
-                port = int(os.environ.get("ODB_COLLATE_PORT", int(os.environ.get("MASTER_PORT", 29500)) + 1))
-                init_method = f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}"
-            else:
-                init_method = f"tcp://127.0.0.1:{free_port()}"
+        init_method = collate_rendezvous(init_method, world_size)
         self.sampler = sampler if sampler is not None else DistributedSampler(
             dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
         self._spec = CollateSpec(
@@ -154,7 +142,8 @@ class ODBDataLoader:
         self.skip_idle = skip_idle
         self.timeout = timeout
         self.epoch = 0
-        self._ctx: Any = tmp.get_context(start_method)
+        self._start_method = resolve_start_method(start_method, tmp.get_all_start_methods())
+        self._ctx: Any = tmp.get_context(self._start_method)
         self._proc: Any = None
         self._ctrl: Any = None
         self._out: Any = None
@@ -170,7 +159,6 @@ class ODBDataLoader:
         self._generation = 0  # bumped by every iter() and close(): older iterators are stale
         self._stale_reason = ""
         self._heard = False  # the current collate process has sent a message
-        self._start_method = start_method
 
     @property
     def step_info(self) -> StepInfo:
@@ -215,6 +203,7 @@ class ODBDataLoader:
         self._resume = (self.epoch, list(state["consumed"]), int(state["steps"]))
 
     def _start(self) -> None:
+        check_spawnable((self._spec, self.sampler), self._start_method, inspect.currentframe(), rank=self.rank)
         self._ctrl = self._ctx.Queue()
         self._out = self._ctx.Queue(maxsize=self._queue_size)
         self._proc = self._ctx.Process(target=collate_main, args=(self._spec, self.sampler, self._ctrl, self._out),

@@ -28,3 +28,21 @@ def test_invalid_keyword_names_the_field():
         ODBDataLoader(ToyDataset(10), token_budget=0, rank=0, world_size=1)
     with pytest.raises(ValidationError, match="mode"):
         ODBDataLoader(ToyDataset(10), token_budget=64, mode="sometimes", rank=0, world_size=1)
+
+
+@pytest.mark.parametrize(("keyword", "value"), [
+    ("mode", "join"), ("buffer_size", 1024), ("target_policy", "balanced"), ("seed", 0),
+    ("regroup_padding", None), ("shuffle_steps", True), ("loss_scaling", "exact"), ("depth", None),
+])
+def test_a_keyword_that_contradicts_config_is_refused_even_when_it_is_the_default(keyword, value):
+    config = ODBConfig(token_budget=64, buffer_size=8, depth=9, mode="non-join", seed=5, loss_scaling="sample",
+                       target_policy="paper", regroup_padding=0.1, shuffle_steps=False)
+    with pytest.raises(ValueError, match=f"{keyword}={value!r} contradicts config.{keyword}"):
+        ODBDataLoader(ToyDataset(10), config=config, rank=0, world_size=1, **{keyword: value})
+    agreeing = {keyword: getattr(config, keyword)}
+    assert ODBDataLoader(ToyDataset(10), config=config, rank=0, world_size=1, **agreeing).config == config
+
+
+def test_keywords_left_out_take_the_configs_defaults():
+    loader = ODBDataLoader(ToyDataset(10), token_budget=64, rank=0, world_size=1)
+    assert loader.config == ODBConfig(token_budget=64)

@@ -60,8 +60,8 @@ def test_attention_mask_false_adds_none(rows):
     assert set(batch) == {"input_ids"}
 
 
-def test_packed_transport_round_trips_structure_values_and_dtypes():
-    from odb_torch.transport import pack, unpack
+def test_sample_packing_round_trips_structure_values_and_dtypes():
+    from odb_torch.sample_packing import pack, unpack
 
     samples = [
         {"input_ids": torch.arange(5), "pixel": torch.ones(2, 3, dtype=torch.float16), "meta": ("a", [torch.tensor(7)]),

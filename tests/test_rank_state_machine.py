@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from odb_core import Header, ODBConfig, PeerInconsistencyError, Phase, RankProtocol, Status, WireFormatError
-from odb_core.alignment import TARGET_POLICIES
+from odb_core.alignment import TARGET_FUNCTIONS
 from odb_core.wire import decode_header
 
 
@@ -104,7 +104,7 @@ class OneRankVsPeers(RuleBasedStateMachine):
         if done:
             assert self.p.phase is Phase.DONE
             return
-        target = TARGET_POLICIES[self.cfg.target_policy](headers)
+        target = TARGET_FUNCTIONS[self.cfg.target_policy](headers)
         assert plan.target == target
         if not target:
             assert plan.step_vector is None

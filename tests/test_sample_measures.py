@@ -1,4 +1,4 @@
-"""Measuring samples in the DataLoader workers (``odb_torch.transport.Packer``): a length
+"""Measuring samples in the DataLoader workers (``odb_torch.sample_packing.Packer``): a length
 or loss-token count is used only if it is an integer in range; anything else is an
 ``InvalidSampleError`` naming the sample and rank, returned with the chunk (never raised
 in the worker, where its attributes would be lost), and never silently converted."""
@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from odb_core import InvalidSampleError, SampleLoadError
-from odb_torch.transport import IndexedDataset, Packer, as_count
+from odb_torch.sample_packing import IndexedDataset, Packer, as_count
 
 VALUES = st.one_of(
     st.integers(-5, 5000), st.floats(allow_nan=True), st.text(max_size=4), st.none(), st.booleans(),

@@ -1,0 +1,70 @@
+"""Resolving :class:`~odb_torch.loader.ODBDataLoader`'s keywords: the protocol
+configuration, this rank's place in the group, and the collate group's rendezvous.
+
+Protocol keywords left out take :class:`~odb_core.ODBConfig`'s defaults (one source of
+defaults); passed together with ``config=``, a keyword must agree with it, else the
+loader refuses to start rather than silently ignore one of the two.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from odb_core import ODBConfig
+from odb_torch.ports import free_port
+
+
+class _ConfigDefault:
+    """Marks a loader keyword the caller left out."""
+
+    def __repr__(self) -> str:
+        return "<ODBConfig default>"
+
+
+CONFIG_DEFAULT: Any = _ConfigDefault()
+"""Default of every protocol keyword of the loader: "what ``ODBConfig`` says"."""
+
+
+def protocol_config(config: ODBConfig | None, token_budget: int | None, keywords: dict[str, Any]) -> ODBConfig:
+    """The loader's :class:`ODBConfig`: ``config`` (checked against the keywords given with
+    it), else one built from ``token_budget`` and the keywords given (the others default).
+
+    Raises ``ValueError`` naming every keyword that contradicts ``config``, or when no budget
+    is given; pydantic's ``ValidationError`` (naming the field) for an invalid value.
+    """
+    given = {k: v for k, v in keywords.items() if v is not CONFIG_DEFAULT}
+    if config is None:
+        if token_budget is None:
+            raise ValueError("ODBDataLoader needs token_budget (or config=ODBConfig(...))")
+        return ODBConfig(token_budget=token_budget, **given)
+    if token_budget is not None:
+        given["token_budget"] = token_budget
+    clashes = [f"{k}={v!r} contradicts config.{k}={getattr(config, k)!r}"
+               for k, v in given.items() if getattr(config, k) != v]
+    if clashes:
+        raise ValueError("; ".join(clashes) + ": pass each setting once (in config=, or as a keyword)")
+    return config
+
+
+def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """This rank and the world size: as given, else from the initialised process group, else env."""
+    import torch.distributed as dist
+
+    live = dist.is_available() and dist.is_initialized()
+    if rank is None:
+        rank = dist.get_rank() if live else int(os.environ.get("RANK", 0))
+    if world_size is None:
+        world_size = dist.get_world_size() if live else int(os.environ.get("WORLD_SIZE", 1))
+    return rank, world_size
+
+
+def collate_rendezvous(init_method: str | None, world_size: int) -> str:
+    """The collate group's ``tcp://`` rendezvous: as given; else ``ODB_COLLATE_PORT``, or
+    ``MASTER_PORT + 1`` on ``MASTER_ADDR`` under DDP; else a free local port when alone."""
+    if init_method is not None:
+        return init_method
+    if "ODB_COLLATE_PORT" in os.environ or world_size > 1:
+        port = int(os.environ.get("ODB_COLLATE_PORT", int(os.environ.get("MASTER_PORT", 29500)) + 1))
+        return f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}"
+    return f"tcp://127.0.0.1:{free_port()}"
