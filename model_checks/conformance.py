@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from model_checks.mutants import driver
+from model_checks.mutants import PACKED_MUTANTS, driver
 from model_checks.tla import SPEC_DIR, TlcRun, sany, tlc
 from odb_core import ODBConfig, RankProtocol
-from odb_core.config import OVERFLOW_POLICIES, TARGET_POLICIES
+from odb_core.config import BUDGETS, OVERFLOW_POLICIES, TARGET_POLICIES
 from odb_core.epoch import EpochDriver
 from odb_core.quota import QuotaTracker
 from odb_core.sampler import permutation
@@ -61,6 +61,8 @@ class Scenario:
     scenario without it is compared against the spec's ``InOrder``."""
     regroup: tuple[int, int] = (1, 50)
     """(RegroupNum, RegroupDen): the core's ``regroup_padding`` as a fraction; (0, 0) is off."""
+    budget_kind: str = "padded"
+    """The core's ``budget`` (spec: ``BudgetKind``): "padded" or "packed"."""
 
     @property
     def quota(self) -> int:
@@ -68,7 +70,8 @@ class Scenario:
 
     def config(self) -> ODBConfig:
         return ODBConfig(
-            token_budget=self.budget, buffer_size=self.buffer_size, depth=self.depth,
+            token_budget=self.budget, budget=self.budget_kind,  # type: ignore[arg-type]
+            buffer_size=self.buffer_size, depth=self.depth,
             mode="join" if self.join else "non-join", output_capacity=self.capacity or None,
             overflow_policy=self.overflow, target_policy=self.policy,  # type: ignore[arg-type]
             seed=self.seed, shuffle_steps=self.shuffle,
@@ -78,8 +81,9 @@ class Scenario:
     def constants(self) -> dict[str, Value]:
         return {
             "W": len(self.lengths), "NV": tuple(map(len, self.lengths)), "Length": self.lengths,
-            "Budget": self.budget, "BufSize": self.buffer_size, "Depth": self.depth, "Capacity": self.capacity,
-            "JoinMode": self.join, "Quota": self.quota, "Overflow": self.overflow, "Policy": self.policy,
+            "Budget": self.budget, "BudgetKind": self.budget_kind, "BufSize": self.buffer_size, "Depth": self.depth,
+            "Capacity": self.capacity, "JoinMode": self.join, "Quota": self.quota, "Overflow": self.overflow,
+            "Policy": self.policy,
             "RegroupNum": self.regroup[0], "RegroupDen": self.regroup[1],
         }
 
@@ -303,6 +307,13 @@ STATE_SPACE_SCENARIOS = (  # in aligned order, so the core's state space equals 
     # buffers of 3 with padded pairs: groups are held back (H) and regrouped
     Scenario("join_2x4_regroup", ((1, 3, 2, 4), (2, 2, 5, 1)), buffer_size=3, shuffle=False),
     Scenario("nonjoin_2x4_regroup", ((1, 3, 2, 4), (2, 2, 5, 1)), buffer_size=3, join=False, shuffle=False),
+    # the packed budget: best-fit groups, an over-budget sample, under-filled groups held back
+    Scenario("join_2x4_packed", ((1, 8, 5, 7), (3, 3, 4, 11)), budget_kind="packed", shuffle=False),
+    Scenario("nonjoin_2x4_packed", ((1, 8, 5, 7), (3, 3, 4, 11)), budget_kind="packed", join=False,
+             policy="balanced", shuffle=False),
+    # one buffer where best fit and first fit differ (spec/MC.tla Len_1b)
+    Scenario("join_1_best_fit", ((1, 9, 12, 10),), budget=20, buffer_size=4, depth=4, policy="balanced",
+             regroup=(0, 0), budget_kind="packed", shuffle=False),
 )
 SHUFFLED_SCENARIOS = (  # shuffled steps: one seeded order per round, inside the spec's every order
     Scenario("nonjoin_2x4_shuffled", ((2, 3, 6, 9), (1, 1, 5, 12)), join=False, seed=3),
@@ -391,11 +402,13 @@ def random_scenario(rng: random.Random, seed: int, mutant: str | None = None) ->
         schedule = "uneven"
     lengths = [rng.choice([0, rng.randint(1, budget), rng.randint(1, 3 * budget + 1)]) for _ in range(n)]
     shards = shard(permutation(n, seed, 0, shuffle=False), world, schedule, seed)
+    # drawn from a generator of its own, so the other draws match the padded-only scenarios
+    kind = "packed" if mutant in PACKED_MUTANTS else random.Random(f"odb-budget:{seed}").choice(BUDGETS)
     scenario = Scenario(
         name="trace", lengths=tuple(tuple(lengths[i] for i in views) for views in shards), budget=budget,
         buffer_size=buffer_size, depth=buffer_size + rng.randint(0, 2), capacity=rng.choice([0, 0, 1, 2]),
         join=join, overflow=rng.choice(OVERFLOW_POLICIES), policy=rng.choice(TARGET_POLICIES),
-        mutant=mutant, seed=seed, dataset_size=n, regroup=regroup,
+        mutant=mutant, seed=seed, dataset_size=n, regroup=regroup, budget_kind=kind,
     )
     return scenario, lengths, schedule
 
@@ -418,7 +431,7 @@ def check_traces(traces: list[Trace]) -> tuple[set[int], set[int]]:
 
 #: mutants whose runs complete and can be replayed; max-groups trips the core's own
 #: wire check (a peer's step vector has the wrong length) before the bad step is traced.
-TRACEABLE_MUTANTS = ("no-cmin", "drop-overflow", "early-finish", "merge-overflow", "no-chain")
+TRACEABLE_MUTANTS = ("no-cmin", "drop-overflow", "early-finish", "merge-overflow", "no-chain", "pack-overfill")
 
 
 def clean_traces(count: int, seed: int = 0) -> list[Trace]:

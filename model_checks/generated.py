@@ -51,6 +51,8 @@ class Model:
     policy: str = "paper"
     regroup: tuple[int, int] = (1, 50)
     """(RegroupNum, RegroupDen); (0, 0) is off"""
+    budget_kind: str = "padded"
+    """BudgetKind: "padded" or "packed" (the core's ``budget``)"""
 
     @property
     def world(self) -> int:
@@ -63,7 +65,8 @@ class Model:
     def constants(self) -> dict[str, Any]:
         return {
             "W": self.world, "NV": tuple(map(len, self.lengths)), "Length": self.lengths,
-            "Budget": self.budget, "BufSize": self.buffer_size, "Depth": self.depth, "Capacity": self.capacity,
+            "Budget": self.budget, "BudgetKind": self.budget_kind, "BufSize": self.buffer_size, "Depth": self.depth,
+            "Capacity": self.capacity,
             "JoinMode": self.join, "Quota": self.views if self.quota is None else self.quota,
             "Overflow": self.overflow, "Policy": self.policy,
             "RegroupNum": self.regroup[0], "RegroupDen": self.regroup[1],
@@ -72,7 +75,8 @@ class Model:
     def describe(self) -> dict[str, Any]:
         return {
             "name": self.name, "world": self.world, "views_per_rank": [len(x) for x in self.lengths],
-            "budget": self.budget, "buffer_size": self.buffer_size, "depth": self.depth, "capacity": self.capacity,
+            "budget": self.budget, "budget_kind": self.budget_kind, "buffer_size": self.buffer_size,
+            "depth": self.depth, "capacity": self.capacity,
             "mode": "join" if self.join else "non-join", "policy": self.policy, "overflow": self.overflow,
             "regroup": f"{self.regroup[0]}/{self.regroup[1]}" if self.regroup[1] else "off",
         }

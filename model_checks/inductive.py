@@ -87,9 +87,9 @@ def run_check(c: Check, workers: int = 1, timeout: float = 1800) -> InductiveRes
 
 def _model(name: str, lengths: Sequence[Sequence[int]], join: bool = True, regroup: tuple[int, int] = (1, 5),
            buffer_size: int = 2, depth: int = 2, capacity: int = 1, policy: str = "paper",
-           quota: int | None = None) -> Model:
+           quota: int | None = None, budget_kind: str = "padded") -> Model:
     return Model(name, tuple(map(tuple, lengths)), budget=10, buffer_size=buffer_size, depth=depth,
-                 capacity=capacity, join=join, quota=quota, policy=policy, regroup=regroup)
+                 capacity=capacity, join=join, quota=quota, policy=policy, regroup=regroup, budget_kind=budget_kind)
 
 
 # Lengths: 1 and 3 pair with padding 1/3 > 1/5 (held under regroup 1/5); 11 is over the budget.
@@ -101,6 +101,8 @@ W2_NONJOIN = _model("w2x2_nonjoin", [[1, 3], [2, 2]], join=False, quota=3, polic
 W1_OFF = _model("w1x3_regroup_off", [[1, 3, 11]], regroup=(0, 0))
 #: singletons only (B(10) = 1 at budget 10): with capacity 1 the oldest sample is emitted alone
 W1_SINGLES = _model("w1x4_singles", [[1, 1, 10, 10]])
+#: the packed budget: 1 + 3 leaves 60% of the budget unused (held under regroup 1/5); 11 is alone
+W1_PACKED = _model("w1x3_packed", [[1, 3, 11]], budget_kind="packed")
 
 FULL = ODB + STRENGTHENING
 #: the CI slice: every invariant with its strengthening inductive on W=1 (every duplicate-free
@@ -108,6 +110,8 @@ FULL = ODB + STRENGTHENING
 CI_CHECKS = (
     Check("full_w1_free", W1, "free", FULL,
           why="all invariants with the strengthening, over every duplicate-free state of W=1"),
+    Check("full_w1_packed_free", W1_PACKED, "free", FULL,
+          why="the same under the packed budget (BudgetOK and the rule's admissibility per budget)"),
     Check("full_w2_join", W2_JOIN, "partition", FULL + PROGRESS,
           why="W=2, balanced, regroup 1/5; the progress invariants hold on every such state"),
     Check("full_w2_nonjoin", W2_NONJOIN, "held", FULL + PROGRESS,
@@ -146,6 +150,9 @@ def deep_checks() -> tuple[Check, ...]:
               "held", FULL + PROGRESS, why="W=2, 3 views per rank, non-join"),
         Check("full_w3_join", _model("w3", [[1, 3], [2, 11], [4]], policy="all-ready"), "held", FULL + PROGRESS,
               why="W=3, uneven"),
+        Check("full_w2x3_packed_join", _model("w2x3_packed", [[1, 3, 11], [2, 2, 5]], depth=3, buffer_size=2,
+                                              budget_kind="packed"),
+              "held", FULL + PROGRESS, why="W=2, 3 views per rank, the packed budget"),
         Check("full_w1x4", W1X4, "partition", FULL + PROGRESS, why="W=1, 4 views (the free domain of 4 views "
               "has over 10^6 states per rank, past TLC's set limit)"),
         Check("memory_w1x4", W1X4, "partition", ("TypeOK", "NoLeak", "DepthBound", "HeldOK"),

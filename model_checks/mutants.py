@@ -9,10 +9,12 @@ which the simulator, the conformance harness and the collate process accept.
 
 from __future__ import annotations
 
+from bisect import insort
 from collections.abc import Sequence
 
 from odb_core.alignment import paper_target
 from odb_core.epoch import EpochDriver
+from odb_core.packing import size_of
 from odb_core.protocol import RankProtocol, Step
 from odb_core.wire import Header, Status
 
@@ -57,6 +59,30 @@ class MergeOverflowProtocol(RankProtocol):
         return emitted, []
 
 
+class PackOverfillProtocol(RankProtocol):
+    """M7: the packed budget's best fit ignores the sample's own size: a sample goes into the
+    fullest group with any room left, fit or not (breaks the packed budget, P3). The padded
+    budget is unchanged. Spec twin: ``FitOp <- MutFitsOverfill``."""
+
+    def _group(self) -> list[list[int]]:
+        if self.config.budget != "packed":
+            return super()._group()
+        length = self._length
+        groups: list[list[int]] = []
+        open_: list[tuple[int, int]] = []  # (room left > 0, opening number), the fullest first
+        for key in reversed(sorted(sorted(length), key=length.__getitem__)):
+            size = size_of(length[key])
+            if open_:
+                room, number = open_.pop(0)
+                groups[number].append(key)
+            else:
+                room, number = self.config.token_budget, len(groups)
+                groups.append([key])
+            if room - size > 0:
+                insort(open_, (room - size, number))
+        return [list(reversed(g)) for g in reversed(groups)]
+
+
 class NoChainDriver(EpochDriver):
     """M6: non-join without chaining: the epoch ends with the first logical iteration (breaks P5)."""
 
@@ -90,6 +116,7 @@ MaxGroupsDriver = _with("MaxGroupsDriver", MaxGroupsProtocol)
 DropOverflowDriver = _with("DropOverflowDriver", DropOverflowProtocol)
 EarlyFinishDriver = _with("EarlyFinishDriver", EarlyFinishProtocol)
 MergeOverflowDriver = _with("MergeOverflowDriver", MergeOverflowProtocol)
+PackOverfillDriver = _with("PackOverfillDriver", PackOverfillProtocol)
 
 #: the core mutants, each the twin of spec/cfg/mutant_<name>.cfg
 MUTANTS: dict[str, type[EpochDriver]] = {
@@ -99,7 +126,10 @@ MUTANTS: dict[str, type[EpochDriver]] = {
     "early-finish": EarlyFinishDriver,
     "merge-overflow": MergeOverflowDriver,
     "no-chain": NoChainDriver,
+    "pack-overfill": PackOverfillDriver,
 }
+#: the mutants that only change the packed budget's behaviour (their hunts and traces draw it)
+PACKED_MUTANTS = ("pack-overfill",)
 #: mutants of the adapter's epoch loop, caught by replaying real-run traces
 ADAPTER_MUTANTS: dict[str, type[EpochDriver]] = {"local-quota": LocalQuotaDriver, "round-quota": RoundQuotaDriver}
 

@@ -13,9 +13,11 @@ from collections import Counter
 from hypothesis import HealthCheck, find, settings
 from hypothesis.errors import NoSuchExample
 
-from model_checks.mutants import MUTANTS, driver
+from model_checks.mutants import MUTANTS, PACKED_MUTANTS, driver
 from model_checks.strategies import Case, cases
 from odb_core import ODBError, RankProtocol, simulate
+from odb_core.budgets import within_budget
+from odb_core.config import BUDGETS
 
 #: the property each mutant breaks, as :func:`violations` names them
 BREAKS = {
@@ -25,8 +27,9 @@ BREAKS = {
     "early-finish": "P4",
     "merge-overflow": "P3",
     "no-chain": "P5",
+    "pack-overfill": "P3",
 }
-#: the cases a hunt draws from: (modes, need_capacity)
+#: the cases a hunt draws from: (modes, need_capacity); PACKED_MUTANTS draw the packed budget only
 SEARCH = {
     "no-cmin": (("join", "non-join"), True),
     "max-groups": (("join", "non-join"), False),
@@ -34,6 +37,7 @@ SEARCH = {
     "early-finish": (("join",), False),
     "merge-overflow": (("join", "non-join"), True),
     "no-chain": (("non-join",), False),
+    "pack-overfill": (("join", "non-join"), False),
 }
 
 
@@ -42,8 +46,8 @@ def violations(case: Case) -> set[str]:
 
     ``P1`` partition at every round, ``P2`` equal item counts (a core that raises
     on a peer's wrong-length vector counts as P2 caught at the wire), ``P3``
-    budget, ``P4`` join coverage, ``P5`` quota closure, ``capacity`` items per
-    round within the output capacity.
+    budget (the configured one: padded or packed), ``P4`` join coverage, ``P5`` quota
+    closure, ``capacity`` items per round within the output capacity.
     """
     found: set[str] = set()
 
@@ -66,7 +70,7 @@ def violations(case: Case) -> set[str]:
         found.add("capacity")
     for steps in result.steps:
         for s in steps:
-            if len(s.lengths) >= 2 and max(s.lengths) * len(s.lengths) > cfg.token_budget:
+            if not within_budget(cfg.budget, s.lengths, cfg.token_budget):
                 found.add("P3")
     if cfg.mode == "join":
         for r, steps in enumerate(result.steps):
@@ -89,9 +93,10 @@ def hunt(mutant: str, max_examples: int = 2000) -> Case | None:
     if mutant not in MUTANTS:
         raise ValueError(f"unknown mutant {mutant!r}")
     modes, need_capacity = SEARCH[mutant]
+    budgets = ("packed",) if mutant in PACKED_MUTANTS else BUDGETS
     try:
         return find(
-            cases(modes=modes, max_n=300, need_capacity=need_capacity),
+            cases(modes=modes, max_n=300, need_capacity=need_capacity, budgets=budgets),
             lambda c: BREAKS[mutant] in violations(mutated(c, mutant)),
             settings=settings(max_examples=max_examples, database=None, deadline=None,
                               suppress_health_check=list(HealthCheck)),

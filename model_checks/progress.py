@@ -90,7 +90,8 @@ BUGS = (
 )
 
 #: quick configurations checked with the progress invariants in CI (the rest with --deep)
-CI_QUICK = ("quick_join_2x4_regroup", "quick_join_3_empty_rank", "quick_nonjoin_3_uneven_balanced")
+CI_QUICK = ("quick_join_2x4_regroup", "quick_join_3_empty_rank", "quick_nonjoin_3_uneven_balanced",
+            "quick_nonjoin_2x4_packed")
 
 
 def quick_checks(names: tuple[str, ...] | None = None) -> tuple[ProgressCheck, ...]:

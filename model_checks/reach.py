@@ -51,10 +51,11 @@ def draw_lengths(rng: random.Random, n: int, budget: int, scale: float = 1.0) ->
 
 
 def random_model(seed: int, world: int, join: bool, policy: str, regroup: bool, capacity: int | None = None,
-                 views: tuple[int, int] = (20, 50)) -> Model:
+                 views: tuple[int, int] = (20, 50), budget_kind: str = "padded") -> Model:
     """A model with seeded lengths: ``views`` per rank (uneven), each rank's lengths on a
     scale of its own (shards differ: short-heavy and long-heavy ranks), buffer size in
-    4..16 and depth in buffer..16 (equal two times in five), capacity 0-4."""
+    4..16 and depth in buffer..16 (equal two times in five), capacity 0-4, under the
+    padded or the packed budget (``budget_kind``)."""
     rng = random.Random(seed)
     budget = rng.choice([32, 64, 100])
     lengths = tuple(draw_lengths(rng, rng.randint(*views), budget, rng.lognormvariate(0, 0.7)) for _ in range(world))
@@ -65,23 +66,25 @@ def random_model(seed: int, world: int, join: bool, policy: str, regroup: bool, 
     overflow = rng.choice(["largest", "oldest"])
     quota = None if join else rng.randint(max(1, sum(map(len, lengths)) // 2), sum(map(len, lengths)))
     name = (f"w{world}_{'join' if join else 'nonjoin'}_{policy}_{'regroup' if regroup else 'plain'}"
-            f"_cap{cap}_s{seed}")
-    return Model(name, lengths, budget, buffer_size, depth, cap, join, quota, overflow, policy, reg)
+            f"_cap{cap}{'_packed' if budget_kind == 'packed' else ''}_s{seed}")
+    return Model(name, lengths, budget, buffer_size, depth, cap, join, quota, overflow, policy, reg, budget_kind)
 
 
-#: the CI slice: the largest at W = 8, every policy, both modes, regroup on and off, capacities 0-4
+#: the CI slice: the largest at W = 8, every policy, both modes, regroup on and off, capacities 0-4,
+#: both budgets (the packed one in a join and a non-join model)
 CI_MODELS = (
     random_model(11, 8, True, "balanced", True, capacity=0),
     random_model(12, 8, False, "paper", False, capacity=2),
-    random_model(13, 5, True, "all-ready", False, capacity=1),
-    random_model(14, 4, False, "balanced", True, capacity=4),
+    random_model(13, 5, True, "all-ready", False, capacity=1, budget_kind="packed"),
+    random_model(14, 4, False, "balanced", True, capacity=4, budget_kind="packed"),
     random_model(15, 3, False, "all-ready", True, capacity=3),
     random_model(16, 6, True, "paper", True, capacity=0),
 )
 
 
 def deep_models() -> tuple[Model, ...]:
-    """``odb check --deep``: W in {2, 4, 8} x every policy x both modes x regroup on/off."""
+    """``odb check --deep``: W in {2, 4, 8} x every policy x both modes x regroup on/off; the
+    packed budget in every other model."""
     out = []
     seed = 100
     for world in (2, 4, 8):
@@ -89,7 +92,8 @@ def deep_models() -> tuple[Model, ...]:
             for join in (True, False):
                 for regroup in (True, False):
                     seed += 1
-                    out.append(random_model(seed, world, join, policy, regroup))
+                    out.append(random_model(seed, world, join, policy, regroup,
+                                            budget_kind="packed" if seed % 2 else "padded"))
     return tuple(out)
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from hypothesis import strategies as st
 
 from odb_core import ODBConfig
-from odb_core.config import OVERFLOW_POLICIES, TARGET_POLICIES
+from odb_core.config import BUDGETS, OVERFLOW_POLICIES, TARGET_POLICIES
 from odb_core.schedules import SCHEDULES
 
 
@@ -49,10 +49,11 @@ class Case:
 
 @st.composite
 def cases(
-    draw: st.DrawFn, modes: tuple[str, ...] = ("join", "non-join"), max_n: int = 5000, need_capacity: bool = False
+    draw: st.DrawFn, modes: tuple[str, ...] = ("join", "non-join"), max_n: int = 5000, need_capacity: bool = False,
+    budgets: tuple[str, ...] = BUDGETS,
 ) -> Case:
-    """Random W in 1..16, N in 0..max_n (N < W included), budgets, buffers, depths,
-    capacities, modes, policies and schedules."""
+    """Random W in 1..16, N in 0..max_n (N < W included), token budgets and budget kinds
+    (padded, packed), buffers, depths, capacities, modes, policies and schedules."""
     world = draw(st.integers(1, 16))
     n = draw(st.one_of(st.integers(0, world + 1), st.integers(0, max_n)))
     budget = draw(st.sampled_from([1, 7, 64, 1000, 4096, 8192]))
@@ -60,6 +61,7 @@ def cases(
     depth = buffer_size + draw(st.integers(0, 64))
     config = ODBConfig(
         token_budget=budget,
+        budget=draw(st.sampled_from(budgets)),
         buffer_size=buffer_size,
         depth=depth,
         mode=draw(st.sampled_from(modes)),

@@ -10,9 +10,10 @@ which, for every trace and every state:
 
 * replays the recorded step as the spec action it names (``Fetch``, ``Drain``, or the
   gather with the recorded emission order), from the recorded state to the next;
-* at a gather, requires the recorded grouping of each ready rank to EQUAL the B(l)
-  rule (``BRule``: with regroup, the full walk grouping held groups included, which is
-  what ``RankProtocol.grouping`` records) and ``<<>>`` for the other ranks;
+* at a gather, requires the recorded grouping of each ready rank to EQUAL the budget's
+  rule (``Packing``: the B(l) walk, or best-fit decreasing under ``BudgetKind = "packed"``;
+  with regroup, the full grouping held groups included, which is what
+  ``RankProtocol.grouping`` records) and ``<<>>`` for the other ranks;
 * evaluates every invariant of :data:`INVARIANTS` (through the trace's instance);
 * on the last state of a complete trace, requires ``done`` (JoinCoverage and
   QuotaClosure are guarded by ``done``, so they bite there).
@@ -36,7 +37,7 @@ from typing import Any
 
 from model_checks.conformance import VARIABLES, Scenario, Trace, Value, to_tla
 from model_checks.tla import SPEC_DIR, tlc
-from odb_core.config import OVERFLOW_POLICIES, TARGET_POLICIES
+from odb_core.config import BUDGETS, OVERFLOW_POLICIES, TARGET_POLICIES
 
 #: the invariants of spec/ODB.tla checked on every replayed state (TypeOK first: if it
 #: fails the others are not reported). JoinCoverage and QuotaClosure hold trivially
@@ -51,7 +52,8 @@ ACTIONS = ("Init", "Fetch", "Drain", "Gather")
 REASONS = {
     "Init": "the first state is not ODB's Init",
     "Step": "no ODB step leads from the previous state to this one",
-    "BRule": "a ready rank's recorded grouping is not the B(l) rule (or a rank not ready recorded one)",
+    "BRule": "a ready rank's recorded grouping is not the budget's rule, B(l) or packing (or a rank not ready "
+             "recorded one)",
     "Done": "the last state of a complete run is not done",
     "Shape": "the trace is malformed (not replayed)",
 }
@@ -75,7 +77,7 @@ class Verdict:
     state: int = 0
     """0-based index into ``trace.states`` of the state where the replay stopped: the state
     that violates the invariants, is not an ODB step from the previous one, is reached by a
-    gather whose grouping is not the B(l) rule, or is the last state and not done."""
+    gather whose grouping is not the budget's rule, or is the last state and not done."""
     detail: str = ""
 
     def describe(self) -> str:
@@ -129,6 +131,8 @@ def shape_errors(trace: Trace) -> str | None:
             return f"{key} = {consts[key]!r} must be >= 0"
     if consts["Overflow"] not in OVERFLOW_POLICIES or consts["Policy"] not in TARGET_POLICIES:
         return f"unknown overflow or target policy ({consts['Overflow']!r}, {consts['Policy']!r})"
+    if consts["BudgetKind"] not in BUDGETS:
+        return f"unknown budget {consts['BudgetKind']!r}"
     if not trace.states:
         return "no states"
     if len(trace.packs) != len(trace.states):
@@ -188,8 +192,8 @@ def trace_module(traces: Sequence[Trace]) -> str:
     """The TraceData module: ODB's variables, the traces (flat tuples, no @@ chains), one
     constant-level ODB instance per trace, and the dispatch on the trace number ``k``:
     ``InitAt(k)``, ``ReplayAt(k, a, P)`` (the recorded step is ODB action ``a``, a gather with
-    grouping ``P`` and the recorded emission order), ``GroupingAt(k, P)`` (``P`` is the B(l)
-    rule on every ready rank and empty on the others), ``ViolatedAt(k)`` (the sequence of
+    grouping ``P`` and the recorded emission order), ``GroupingAt(k, P)`` (``P`` is the budget's
+    rule, ``Packing``, on every ready rank and empty on the others), ``ViolatedAt(k)`` (the sequence of
     the names of the :data:`INVARIANTS` the current state violates)."""
     if not traces:
         raise ValueError("no traces")
@@ -212,7 +216,7 @@ def trace_module(traces: Sequence[Trace]) -> str:
             f"      [] a = \"Drain\" -> \\E r \\in {o}!Ranks : \\E p \\in Q[r] : {o}!Drain(r, p)\n"
             f"      [] OTHER -> {o}!GatherWith(LAMBDA r : P[r], LAMBDA al, T : {o}!RecordedOrder(al, T))\n"
             f"Grouping_{k}(P) ==\n"
-            f"    \\A r \\in {o}!Ranks : P[r] = IF {o}!Status(r) = \"ready\" THEN {o}!BRule(r) ELSE <<>>\n"
+            f"    \\A r \\in {o}!Ranks : P[r] = IF {o}!Status(r) = \"ready\" THEN {o}!Packing(r) ELSE <<>>\n"
             f"Violated_{k} == IF ~{o}!TypeOK THEN <<\"TypeOK\">> ELSE {fails}\n"
         )
     n = len(traces)
@@ -259,18 +263,19 @@ def _run_batch(traces: Sequence[Trace]) -> dict[int, tuple[int, tuple[str, ...]]
 
 
 def _brule_detail(trace: Trace, j: int) -> str:
-    """Which rank's grouping differs from the B(l) rule at the gather into state ``j``."""
-    from odb_core.grouping import group_buffer
+    """Which rank's grouping differs from the budget's rule at the gather into state ``j``."""
+    from odb_core.budgets import BUFFER_RULES
 
     before, pack = trace.states[j - 1], trace.packs[j]
-    lengths = trace.scenario.lengths
+    lengths, kind = trace.scenario.lengths, trace.scenario.budget_kind
     parts = []
     for r, groups in enumerate(pack):
         buf = before[_IX["B"]][r]
-        rule = tuple(tuple(p + 1 for p in g) for g in group_buffer({p - 1: lengths[r][p - 1] for p in buf},
-                                                                  trace.scenario.budget)) if buf else ()
+        rule = tuple(tuple(p + 1 for p in g) for g in BUFFER_RULES[kind]({p - 1: lengths[r][p - 1] for p in buf},
+                                                                         trace.scenario.budget)) if buf else ()
         if groups and groups != rule:
-            parts.append(f"rank {r + 1} recorded {groups}, B(l) gives {rule}")
+            name = "the packing" if kind == "packed" else "B(l)"
+            parts.append(f"rank {r + 1} recorded {groups}, {name} gives {rule}")
         elif not groups and buf:
             parts.append(f"rank {r + 1} recorded no grouping over B = {buf}")
     return "; ".join(parts)
@@ -514,7 +519,7 @@ def merge(logs: Sequence[Sequence[Mapping[str, Any]]], name: str = "run") -> Tra
         budget=int(cfg["token_budget"]), buffer_size=int(cfg["buffer_size"]), depth=int(cfg["depth"]),
         capacity=int(cfg.get("output_capacity") or 0), join=join, overflow=str(cfg["overflow_policy"]),
         policy=str(cfg["target_policy"]), dataset_size=None if join else quota,
-        regroup=(int(regroup[0]), int(regroup[1])),
+        regroup=(int(regroup[0]), int(regroup[1])), budget_kind=str(cfg.get("budget", "padded")),
     )
 
     # the behaviour

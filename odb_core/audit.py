@@ -1,9 +1,9 @@
 """Audits of a simulated epoch: coverage, lockstep, batch shapes and costs.
 
 Measures (as README.md's "Measured" reports them): padding fraction = 1 - sum real tokens /
-sum (max len x size); samples/update; alignment overhead = steps per rank with
-alignment / mean groups per rank when each rank groups alone - 1; gather payload
-= bytes one rank sends per round.
+sum (max len x size); budget fill = real tokens / (L_max x groups); samples/update;
+alignment overhead = steps per rank with alignment / mean groups per rank when each rank
+groups alone - 1; gather payload = bytes one rank sends per round.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from odb_core.grouping import form_groups
+from odb_core.budgets import form
 from odb_core.simulator import SimResult, simulate
 
 
@@ -36,6 +36,11 @@ class Audit:
     rounds: int
     skip_rounds: int
     padding_fraction: float
+    """1 - real tokens / (max len x size) over the emitted groups (as padded batches; a packed
+    batch of the packed budget has none)."""
+    budget_fill: float
+    """Real tokens / (L_max x groups), over-budget singletons left out: the share of each
+    group's budget its samples use (the packed budget's packing efficiency)."""
     samples_per_update: float
     alignment_overhead: float
     payload_bytes_per_round: float
@@ -52,8 +57,9 @@ class Audit:
 
 def alone_groups(result: SimResult) -> float:
     """Mean groups per rank if each rank ran ODB alone on its emitted views (no alignment):
-    its views in sampler order, cut into buffer_size chunks, each grouped by B(l); with
-    regroup on, the protocol itself on one rank (regroup carries groups across chunks)."""
+    its views in sampler order, cut into buffer_size chunks, each grouped by the budget's
+    rule (P3); with regroup on, the protocol itself on one rank (regroup carries groups
+    across chunks)."""
     config = result.config
     buf, budget = config.buffer_size, config.token_budget
     alone = config.model_copy(update={"mode": "join"})
@@ -69,7 +75,7 @@ def alone_groups(result: SimResult) -> float:
                 per_rank[r] += len(simulate(lengths, 1, alone, "in_order", shuffle=False).steps[0])
                 continue
             for i in range(0, len(lengths), buf):
-                per_rank[r] += len(form_groups(lengths[i : i + buf], budget))
+                per_rank[r] += len(form(config.budget, lengths[i : i + buf], budget))
     return sum(per_rank) / result.world
 
 
@@ -82,6 +88,7 @@ def audit(result: SimResult) -> Audit:
     expected = Counter(v for shards in result.shards for views in shards for v in views)
     real = sum(len(ls) and sum(ls) for steps in result.steps for s in steps for ls in [s.lengths])
     padded = sum(max(s.lengths) * len(s.lengths) for steps in result.steps for s in steps if s.lengths)
+    within = [sum(s.lengths) for steps in result.steps for s in steps if s.lengths and not s.over_budget]
     updates = steps_per_rank[0] if steps_per_rank else 0
     alone = alone_groups(result)
     total_emitted = sum(emitted)
@@ -100,6 +107,7 @@ def audit(result: SimResult) -> Audit:
         rounds=result.rounds,
         skip_rounds=result.skip_rounds,
         padding_fraction=1 - real / padded if padded else 0.0,
+        budget_fill=sum(within) / (len(within) * result.config.token_budget) if within else 0.0,
         samples_per_update=total_emitted / updates if updates else 0.0,
         alignment_overhead=updates / alone - 1 if alone else 0.0,
         payload_bytes_per_round=result.payload_bytes / result.rounds if result.rounds else 0.0,

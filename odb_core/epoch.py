@@ -44,7 +44,7 @@ HELLO_MAGIC = 0x0DB1
 """First value of the handshake vector (a peer running another wire format is caught)."""
 
 PROTOCOL_FIELDS = ("token_budget", "buffer_size", "depth", "mode", "loss_scaling", "seed", "target_policy",
-                   "overflow_policy", "output_capacity", "regroup_padding", "shuffle_steps")
+                   "overflow_policy", "output_capacity", "regroup_padding", "shuffle_steps", "budget")
 """The :class:`ODBConfig` fields every rank must share (the handshake compares them)."""
 
 
@@ -273,7 +273,8 @@ class EpochDriver:
 
     def _trace_config(self) -> dict[str, Any]:
         frac = self.config.regroup_fraction
-        return {"token_budget": self.config.token_budget, "buffer_size": self.config.buffer_size,
+        return {"token_budget": self.config.token_budget, "budget": self.config.budget,
+                "buffer_size": self.config.buffer_size,
                 "depth": self.config.outstanding_depth, "mode": self.config.mode,
                 "target_policy": self.config.target_policy, "overflow_policy": self.config.overflow_policy,
                 "output_capacity": self.config.output_capacity or 0,

@@ -85,12 +85,14 @@ def group_buffer(lengths: Mapping[int, int], token_budget: int) -> list[list[int
 
 
 def hold_sparse(groups: list[list[int]], lengths: Mapping[int, int], fraction: Fraction,
-                exempt: Set[int], limit: int) -> tuple[list[list[int]], list[list[int]]]:
+                exempt: Set[int], limit: int, area: int | None = None) -> tuple[list[list[int]], list[list[int]]]:
     """Split a buffer's groups into ``(kept, held)`` (``ODBConfig.regroup_padding``).
 
     A group is holdable if it has >= 2 samples, none of them in ``exempt`` (held at
     the last round), and its padding fraction exceeds ``fraction``, in integers:
-    (max_len x size - sum of lengths) x den > num x max_len x size. The held groups
+    (A - sum of lengths) x den > num x A, where A is the group's area: max_len x size
+    (the padded budget, ``area=None``), or ``area`` (the packed budget passes L_max, so
+    its "padding" is the budget a packed group leaves unused). The held groups
     are the longest prefix of the holdable groups, in walk order, whose sizes sum to
     at most ``limit`` samples (the protocol passes the outstanding depth D, so a rank
     never holds more than D samples); holdable groups past that prefix are kept. If
@@ -104,8 +106,8 @@ def hold_sparse(groups: list[list[int]], lengths: Mapping[int, int], fraction: F
     room = limit  # samples that may still be held; -1 once the prefix has ended
     for g in groups:
         if room >= 2 and len(g) >= 2 and exempt.isdisjoint(g):
-            area = lengths[g[-1]] * len(g)
-            if (area - sum(map(lengths.__getitem__, g))) * den > num * area:  # holdable
+            tokens = lengths[g[-1]] * len(g) if area is None else area
+            if (tokens - sum(map(lengths.__getitem__, g))) * den > num * tokens:  # holdable
                 if len(g) <= room:
                     held.append(g)
                     room -= len(g)

@@ -1,4 +1,4 @@
-"""The per-rank ODB state machine over R/Q/B/E, sans-IO (DESIGN.md "The protocol").
+"""The per-rank ODB state machine over R/Q/B/E, sans-IO (README: "Guarantees", P1-P8).
 
 The caller owns all I/O. Per logical iteration it loops:
 
@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from odb_core.alignment import TARGET_FUNCTIONS, align
+from odb_core.budgets import BUFFER_RULES
 from odb_core.config import ODBConfig
 from odb_core.errors import InvalidSampleError, PeerInconsistencyError, ProtocolStateError
-from odb_core.grouping import check_length, group_buffer, hold_sparse
+from odb_core.grouping import check_length, hold_sparse
 from odb_core.loss import round_denominators, share
 from odb_core.wire import Header, HeaderGather, Status, StepGather, encode_steps
 
@@ -113,6 +114,8 @@ class RankProtocol:
         self.iteration = iteration
         self.epoch = epoch
         self._target_policy = TARGET_FUNCTIONS[config.target_policy]
+        self._rule = BUFFER_RULES[config.budget]
+        self._hold_area = config.token_budget if config.budget == "packed" else None  # hold_sparse's area
         self._next = 0  # R = views[_next:]
         self._inflight: set[int] = set()  # Q
         self._length: dict[int, int] = {}  # B: pos -> realized length
@@ -126,7 +129,7 @@ class RankProtocol:
         self.phase = Phase.OPEN
         self._groups: list[list[int]] = []
         self._candidates: list[list[int]] = []
-        self._grouping: list[list[int]] = []  # the full B(l) grouping of this round
+        self._grouping: list[list[int]] = []  # the full grouping of this round (the budget's rule)
         self._holding: list[list[int]] = []  # groups held back this round (regroup_padding)
         self._held: set[int] = set()  # H: positions held back at the last emitting round
         self._regroup = config.regroup_fraction  # exact threshold, computed once
@@ -183,7 +186,7 @@ class RankProtocol:
 
     @property
     def grouping(self) -> list[list[int]]:
-        """The full B(l) grouping of the buffer by the last ``begin_round``: the
+        """The full grouping of the buffer (B(l) walk or packing) by the last ``begin_round``: the
         candidates plus the groups held back to regroup, in walk order; empty if not ready."""
         return [list(g) for g in self._grouping]
 
@@ -248,13 +251,13 @@ class RankProtocol:
             nbuf = 0
         elif nbuf and (nbuf - len(self._held) >= self.config.buffer_size or drained):
             status = Status.READY
-            self._groups = group_buffer(self._length, self.config.token_budget)
+            self._groups = self._group()
         else:
             status, self._groups = Status.WAITING, []
         self._grouping, self._holding = self._groups, []
         if status is Status.READY and not drained and self._regroup is not None:
             self._groups, self._holding = hold_sparse(self._groups, self._length, self._regroup, self._held,
-                                                      limit=self.config.outstanding_depth)
+                                                      limit=self.config.outstanding_depth, area=self._hold_area)
         self._candidates = self._groups  # replaced, never mutated, by the round; copied on read
         self._header = Header(
             iteration=self.iteration,
@@ -384,6 +387,11 @@ class RankProtocol:
         return self.epoch + self.iteration * CHAIN_STRIDE
 
     # ---- hooks (the seeded bugs of model_checks.mutants override these) -------------
+    def _group(self) -> list[list[int]]:
+        """The buffer's groups under the configured budget, short to long (P3): the B(l) walk
+        (padded) or best-fit decreasing (packed); :mod:`odb_core.budgets`."""
+        return self._rule(self._length, self.config.token_budget)
+
     def _reports_finished(self, drained: bool) -> bool:
         """The header says FINISHED: R, Q and B are empty (P4 rests on this)."""
         return drained and not self._length

@@ -1,9 +1,9 @@
 --------------------------------- MODULE MC ---------------------------------
 (***************************************************************************)
 (* Model values for the configurations in spec/cfg/, and the seeded bugs   *)
-(* (mutants) a .cfg substitutes for ODB's operators. Each mutant has the   *)
-(* matching flag in odb_core (ODBConfig.mutant) and must be caught by TLC  *)
-(* and by the hypothesis suite.                                            *)
+(* (mutants) a .cfg substitutes for ODB's operators. Each mutant has a     *)
+(* twin in model_checks/mutants.py and must be caught by TLC and by the    *)
+(* hypothesis suite.                                                       *)
 (***************************************************************************)
 EXTENDS ODB
 
@@ -29,6 +29,16 @@ Len_1d == <<<<1, 1, 3, 3, 10, 10, 10, 10>>>>
 \* then fetched to |Q| + |B| = 7 > 2D.
 NV_1c == <<12>>
 Len_1c == <<<<0, 3, 3, 0, 0, 2, 0, 2, 0, 10, 10, 10>>>>
+\* Packed budget (BudgetKind = "packed", Budget 10): samples the B(l) walk keeps apart
+\* pack together (1 + 8, 3 + 3 + 4), 11 is over the budget (alone), and a first buffer of
+\* {1, 8, 5} packs into [5] and [1, 8], which leaves 10% of its budget unused: regroup holds it.
+NV_2x4p == <<4, 4>>
+Len_2x4p == <<<<1, 8, 5, 7>>, <<3, 3, 4, 11>>>>
+\* Best fit, not first fit (Budget 20, one buffer of 4): 12 and 10 open groups with room
+\* 8 and 10, 9 goes to the second (room 1), and 1 goes to the fullest group it fits in,
+\* the second (first fit would put it in the first).
+NV_1b == <<4>>
+Len_1b == <<<<1, 9, 12, 10>>>>
 \* Deep suite: three ranks, three views each.
 NV_3x3 == <<3, 3, 3>>
 Len_3x3 == <<<<2, 6, 9>>, <<1, 5, 12>>, <<4, 4, 0>>>>
@@ -57,4 +67,7 @@ MutAlignMerge(r, gs, T) ==
     ELSE Align(r, gs, T)
 \* M6: non-join without chaining of logical iterations.
 MutChainOff == FALSE
+\* M7: the packed budget's best fit ignores the sample's own size: a sample goes into the
+\* fullest group with any room left, whether it fits or not (breaks the packed BudgetOK).
+MutFitsOverfill(loads, s) == {i \in DOMAIN loads : loads[i] < Budget}
 =============================================================================

@@ -17,6 +17,7 @@ CONSTANTS W,          \* number of ranks
           NV,         \* <<n_1, ..., n_W>>: views per rank
           Length,     \* <<<<l_1_1, ...>>, ...>>: Length[r][p]
           Budget,     \* L_max
+          BudgetKind, \* "padded": max length x size <= L_max (B(l) walk); "packed": sum of sizes <= L_max
           BufSize,    \* buffer_size
           Depth,      \* outstanding depth D
           Capacity,   \* output slots per rank per round; 0 = unbounded
@@ -27,7 +28,7 @@ CONSTANTS W,          \* number of ranks
           RegroupNum, \* regroup: hold back groups with padding > RegroupNum / RegroupDen
           RegroupDen  \* (0 = off; odb_core's regroup_padding)
 
-ASSUME W \in Nat \ {0} /\ Len(NV) = W /\ Budget \in Nat \ {0}
+ASSUME W \in Nat \ {0} /\ Len(NV) = W /\ Budget \in Nat \ {0} /\ BudgetKind \in {"padded", "packed"}
 ASSUME BufSize \in Nat \ {0} /\ Depth \in Nat /\ Capacity \in Nat /\ Quota \in Nat
 ASSUME RegroupNum \in Nat /\ RegroupDen \in Nat
 ASSUME JoinMode \in BOOLEAN /\ Overflow \in {"largest", "oldest"} /\ Policy \in {"paper", "all-ready", "balanced"}
@@ -80,22 +81,62 @@ Walk(r, order, end, t) ==
                        : start \in {IF end > t THEN end - t ELSE 0}} : TRUE
 BRule(r) == CHOOSE w \in {Reverse(Walk(r, order, Len(order), 1))
                           : order \in {SortSeq(B[r], LAMBDA a, b : ShorterFirst(r, a, b))}} : TRUE
-Packing(r) == BRule(r)
+
+(* The packed budget (odb_core.packing): a group costs the sum of its      *)
+(* sizes, a zero length sized 1. Best-fit decreasing over B sorted by      *)
+(* (length, position), walked from the longest: each sample goes into the  *)
+(* fullest group it fits in (ties: the group opened first), else it opens  *)
+(* a group. Groups are listed short to long (reverse opening order), each  *)
+(* group's positions short to long, as pack_buffer returns them. A sample  *)
+(* longer than Budget opens a group nothing else fits in: it travels alone.*)
+(* FitOp is an operator so a .cfg can substitute a seeded bug.             *)
+Size(l) == IF l < 1 THEN 1 ELSE l
+Load(r, g) == SumSeq([k \in DOMAIN g |-> Size(Length[r][g[k]])])
+\* the groups (by index into loads, the groups' sums of sizes) a sample of size s fits in
+Fits(loads, s) == {i \in DOMAIN loads : loads[i] + s <= Budget}
+FitOp(loads, s) == Fits(loads, s)
+\* the fullest group the sample fits in (ties: the first opened); 0: none, open a group
+BestFit(loads, s) ==
+    CHOOSE w \in {IF fit = {} THEN 0
+                  ELSE CHOOSE i \in fit : \A j \in fit : loads[j] < loads[i] \/ (loads[j] = loads[i] /\ i <= j)
+                  : fit \in {FitOp(loads, s)}} : TRUE
+Place(bins, i, p) == IF i = 0 THEN Append(bins, <<p>>) ELSE [bins EXCEPT ![i] = Append(@, p)]
+AddLoad(loads, i, s) == IF i = 0 THEN Append(loads, s) ELSE [loads EXCEPT ![i] = @ + s]
+RECURSIVE PackWalk(_, _, _, _)
+PackWalk(r, order, bins, loads) ==
+    IF order = <<>> THEN bins
+    ELSE CHOOSE w \in {CHOOSE v \in {PackWalk(r, Tail(order), Place(bins, i, Head(order)), AddLoad(loads, i, s))
+                                    : i \in {BestFit(loads, s)}} : TRUE
+                       : s \in {Size(Length[r][Head(order)])}} : TRUE
+PackRule(r) ==
+    CHOOSE w \in {Reverse([k \in DOMAIN bs |-> Reverse(bs[k])])
+                  : bs \in {PackWalk(r, order, <<>>, <<>>)
+                            : order \in {Reverse(SortSeq(B[r], LAMBDA a, b : ShorterFirst(r, a, b)))}}} : TRUE
+
+\* The grouping of a ready rank's buffer under the budget.
+Packing(r) == IF BudgetKind = "packed" THEN PackRule(r) ELSE BRule(r)
+
+(* P3 per budget: a group of >= 2 samples costs at most Budget: max length *)
+(* x size (padded) or the sum of its sizes (packed); a lone sample may be  *)
+(* longer than Budget (it travels alone).                                  *)
+MaxLen(r, g) == Max({Length[r][p] : p \in Range(g)})
+GroupCost(r, g) == IF BudgetKind = "packed" THEN Load(r, g) ELSE MaxLen(r, g) * Len(g)
+WithinBudget(r, g) == Len(g) >= 2 => GroupCost(r, g) <= Budget
 
 (* A packing of rank r's buffer is admissible if it partitions B[r] into   *)
-(* non-empty groups and every group of >= 2 samples is within the budget.  *)
-(* Trace validation replays the core's recorded packing under this check;  *)
-(* BRuleAdmissible checks the B(l) rule is one such packing.               *)
-MaxLen(r, g) == Max({Length[r][p] : p \in Range(g)})
+(* non-empty groups and every group is within the budget (WithinBudget).   *)
+(* BRuleAdmissible checks the budget's rule (Packing) is one such packing. *)
 Admissible(r, gs) ==
-    /\ \A k \in DOMAIN gs : Len(gs[k]) >= 1 /\ (Len(gs[k]) >= 2 => MaxLen(r, gs[k]) * Len(gs[k]) <= Budget)
+    /\ \A k \in DOMAIN gs : Len(gs[k]) >= 1 /\ WithinBudget(r, gs[k])
     /\ SumSeq([k \in DOMAIN gs |-> Len(gs[k])]) = Len(B[r])
     /\ UNION {Range(g) : g \in Range(gs)} = Range(B[r])
 
 (* Regroup (odb_core's regroup_padding, grouping.hold_sparse). A rank that *)
 (* is not drained may hold back a group of >= 2 samples, none of them held *)
 (* at its last round (H), whose padding exceeds RegroupNum / RegroupDen    *)
-(* (Holdable): held groups stay in B and regroup with the next arrivals,   *)
+(* (Holdable; padding of the area max length x size, or, packed, of       *)
+(* Budget: the budget the group leaves unused): held groups stay in B and  *)
+(* regroup with the next arrivals,                                         *)
 (* where lengths are denser. It holds the holdable groups in walk order    *)
 (* while their cumulative size stays <= Depth (a prefix: the first one     *)
 (* that does not fit ends it, later ones are kept), so |H| <= D. If every  *)
@@ -104,7 +145,8 @@ Admissible(r, gs) ==
 (* shrinks the next buffer), and a rank with fewer kept groups than T      *)
 (* emits held groups (in walk order) before it splits any.                 *)
 SumLen(r, g) == SumSeq([k \in DOMAIN g |-> Length[r][g[k]]])
-Sparse(r, g) == LET area == MaxLen(r, g) * Len(g) IN (area - SumLen(r, g)) * RegroupDen > RegroupNum * area
+Area(r, g) == IF BudgetKind = "packed" THEN Budget ELSE MaxLen(r, g) * Len(g)
+Sparse(r, g) == LET area == Area(r, g) IN (area - SumLen(r, g)) * RegroupDen > RegroupNum * area
 Holdable(r, g) == RegroupDen > 0 /\ ~Drained(r) /\ Len(g) >= 2 /\ Range(g) \cap H[r] = {} /\ Sparse(r, g)
 \* the holdable groups in walk order, cut at cumulative size Depth (a prefix: sizes are positive)
 CapHeld(gs, hd) == {i \in hd : SumSeq([k \in 1..i |-> IF k \in hd THEN Len(gs[k]) ELSE 0]) <= Depth}
@@ -273,8 +315,8 @@ Emit(st, gs, hs, T, O(_, _)) ==
        /\ UNCHANGED <<next, Q>>
 
 (* One atomic round for all ranks: header gather, align, step gather, emit.*)
-(* P is the grouping: the B(l) rule by default; trace validation replays   *)
-(* recorded groupings, and any packing within the budget is admissible.    *)
+(* P is the grouping: the budget's rule (Packing) by default; trace        *)
+(* validation replays recorded groupings (checked to equal Packing).       *)
 (* O is the set of emission orders (Orders; RecordedOrder when replaying). *)
 GatherWith(P(_), O(_, _)) ==
     /\ ~done
@@ -341,13 +383,13 @@ HeldOK == \A r \in Ranks : H[r] \subseteq Range(B[r]) /\ Cardinality(H[r]) <= De
 \* P2 Lockstep: every rank emitted the same number of items in the last round.
 Lockstep == \A r, s \in Ranks : Len(lastOut[r]) = Len(lastOut[s])
 
-\* P3 Budget: no emitted group of >= 2 samples exceeds L_max.
-BudgetOK == \A r \in Ranks : \A i \in DOMAIN lastOut[r] :
-                Len(lastOut[r][i]) >= 2 => MaxLen(r, lastOut[r][i]) * Len(lastOut[r][i]) <= Budget
+\* P3 Budget: no emitted group of >= 2 samples costs more than L_max (per BudgetKind).
+BudgetOK == \A r \in Ranks : \A i \in DOMAIN lastOut[r] : WithinBudget(r, lastOut[r][i])
 
 WithinCapacity == Capacity > 0 => \A r \in Ranks : Len(lastOut[r]) <= Capacity
 
-BRuleAdmissible == \A r \in Ranks : Status(r) = "ready" => Admissible(r, BRule(r))
+\* (named for the B(l) rule; it checks the budget's rule: BRule or PackRule)
+BRuleAdmissible == \A r \in Ranks : Status(r) = "ready" => Admissible(r, Packing(r))
 
 \* P4 Join coverage: at termination every view was emitted.
 JoinCoverage == (JoinMode /\ done) => \A r \in Ranks : E[r] = Views(r)

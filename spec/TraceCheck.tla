@@ -10,9 +10,9 @@
 (* (INSTANCE arguments cannot depend on t), and a dispatch on the trace    *)
 (* number: InitAt(k), ReplayAt(k, a, P) ("this step is ODB action a of     *)
 (* trace k's model; a gather uses grouping P and the recorded order"),     *)
-(* GroupingAt(k, P) (P is the B(l) rule on every ready rank) and           *)
-(* ViolatedAt(k) (the invariants of trace k's model the current state      *)
-(* violates, by name).                                                     *)
+(* GroupingAt(k, P) (P is the budget's rule, Packing, on every ready      *)
+(* rank) and ViolatedAt(k) (the invariants of trace k's model the current  *)
+(* state violates, by name).                                               *)
 (* TLC starts one behaviour per trace and walks it to its last state,      *)
 (* checking every step and every state on the way; fail collects what the  *)
 (* first bad state violates, and the behaviour stops there. A trace is     *)
@@ -36,8 +36,9 @@ IsNext(s) == /\ next' = s.next /\ Q' = s.Q /\ B' = s.B /\ E' = s.E /\ H' = s.H /
 Verdict == ViolatedAt(t) \o (IF i = Len(Tr.states) /\ Tr.complete /\ ~done THEN <<"Done">> ELSE <<>>)
 
 (* The recorded step into state i + 1, action a with grouping P: "BRule"   *)
-(* if a gather's grouping is not the B(l) rule on some ready rank (or not  *)
-(* empty on another), "Step" if it is no ODB step, else nothing.           *)
+(* if a gather's grouping is not the budget's rule (Packing: B(l) or the   *)
+(* packing) on some ready rank (or not empty on another), "Step" if it is  *)
+(* no ODB step, else nothing.                                              *)
 StepFails(a, P) == IF a = "Gather" /\ ~GroupingAt(t, P) THEN <<"BRule">>
                    ELSE IF ReplayAt(t, a, P) THEN <<>> ELSE <<"Step">>
 

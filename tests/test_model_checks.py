@@ -21,6 +21,7 @@ from model_checks.report import SPEC_MUTANT, TRACE_BATCH
 from model_checks.suites import configs, run_config
 from model_checks.tla import sany
 from model_checks.mutants import MUTANTS
+from odb_core.budgets import BUFFER_RULES
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -44,10 +45,10 @@ def test_every_core_mutant_has_a_spec_mutant():
 @pytest.mark.parametrize("scenario", conformance.STATE_SPACE_SCENARIOS, ids=lambda s: s.name)
 def test_core_and_spec_state_spaces_are_equal(scenario):
     result = conformance.compare_state_spaces(scenario)
-    assert result.python_states > 100 or scenario.name.endswith("cap1")
+    assert result.python_states > 100 or scenario.name.endswith(("cap1", "best_fit"))
     assert result.states_equal, (result.only_python, result.only_tlc)
     assert result.transitions_equal
-    if scenario.name.endswith("regroup"):  # the regroup scenarios really hold groups back
+    if scenario.name.endswith(("regroup", "2x4_packed")):  # these scenarios really hold groups back
         states, _ = conformance.enumerate_core(scenario)
         assert any(any(st[conformance.VARIABLES.index("H")]) for st in states)
 
@@ -68,11 +69,35 @@ def test_state_space_comparison_detects_a_mutated_core():
     assert not result.states_equal
 
 
+def _first_fit(lengths, budget):
+    """First-fit decreasing in the core's layout: the packing rule the spec must tell apart."""
+    groups, loads = [], []
+    for k in reversed(sorted(sorted(lengths), key=lengths.__getitem__)):
+        size = max(lengths[k], 1)
+        fit = next((j for j, load in enumerate(loads) if load + size <= budget), None)
+        if fit is None:
+            groups.append([k])
+            loads.append(size)
+        else:
+            groups[fit].append(k)
+            loads[fit] += size
+    return [list(reversed(g)) for g in reversed(groups)]
+
+
+def test_state_space_comparison_tells_best_fit_from_first_fit(monkeypatch):
+    """A core packing by first fit instead of best fit leaves the spec's state space."""
+    (scenario,) = [s for s in conformance.STATE_SPACE_SCENARIOS if s.name == "join_1_best_fit"]
+    monkeypatch.setitem(BUFFER_RULES, "packed", _first_fit)
+    result = conformance.compare_state_spaces(scenario)
+    assert not result.states_equal and not result.states_included
+
+
 def test_simulator_traces_replay_as_spec_behaviours():
     traces = conformance.clean_traces(520)
     schedules = {t.schedule for t in traces}
     modes = {t.scenario.join for t in traces}
     assert len(schedules) == 5 and modes == {True, False}
+    assert {t.scenario.budget_kind for t in traces} == {"padded", "packed"}
     held = conformance.VARIABLES.index("H")
     assert any(any(st[held]) for t in traces for st in t.states), "no trace holds a group back to regroup"
     # every kind of step occurs: fetch, drain, gather, split, overflow, hold, skip, chain, end

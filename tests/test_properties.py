@@ -1,7 +1,8 @@
 """P1-P8 on the protocol core, as properties over random simulated epochs.
 
 Random W in 1..16, N in 0..5000 (N < W included), lengths from 0 to 3x the budget,
-budgets, buffer sizes, depths, capacities, both modes, both target and overflow
+token budgets, both budgets (padded: max_len x size; packed: sum of lengths), buffer sizes,
+depths, capacities, both modes, both target and overflow
 policies and every delivery schedule (tests/strategies.py).
 """
 
@@ -12,6 +13,7 @@ import pytest
 from hypothesis import given
 
 from odb_core import NonJoinStalledError, ODBConfig, RankProtocol, audit, simulate
+from odb_core.budgets import group_cost
 from model_checks.strategies import cases, lengths_from_seed
 
 
@@ -41,13 +43,18 @@ def test_p2_lockstep_every_round(case):
 
 @given(cases())
 def test_p3_budget_on_every_emitted_group(case):
+    """Padded: max_len x size <= L_max; packed: sum of lengths (zero counted as 1) <= L_max."""
     result = run(case)
     budget = case.config.token_budget
     over = 0
     for steps in result.steps:
         for s in steps:
             if len(s.lengths) >= 2:
-                assert max(s.lengths) * len(s.lengths) <= budget
+                if case.config.budget == "packed":
+                    assert sum(max(n, 1) for n in s.lengths) <= budget
+                else:
+                    assert max(s.lengths) * len(s.lengths) <= budget
+                assert group_cost(case.config.budget, s.lengths) <= budget
             over += s.over_budget
             assert s.over_budget == (len(s.lengths) == 1 and s.lengths[0] > budget)
     assert audit(result).over_budget_singletons == over

@@ -3,7 +3,7 @@
 Peers send arbitrary well-formed headers and step vectors (and, sometimes, corrupted
 ones first). Invariants after every call: P1 partition, |Q| + |B| <= D, the target
 equals the policy's value on the gathered headers, emitted items number exactly T
-(P2), groups respect the budget (P3), step weights sum to one (P7).
+(P2), groups respect the budget, padded or packed (P3), step weights sum to one (P7).
 """
 
 from fractions import Fraction
@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from odb_core import Header, ODBConfig, PeerInconsistencyError, Phase, RankProtocol, Status, WireFormatError
 from odb_core.alignment import TARGET_FUNCTIONS
+from odb_core.budgets import within_budget
 from odb_core.wire import decode_header
 
 
@@ -29,12 +30,13 @@ class OneRankVsPeers(RuleBasedStateMachine):
         capacity=st.one_of(st.none(), st.integers(1, 4)),
         scaling=st.sampled_from(["none", "sample", "approx", "exact"]),
         regroup=st.sampled_from([None, 0.0, 0.02, 0.3]),
+        kind=st.sampled_from(["padded", "packed"]),
         data=st.data(),
     )
     def setup(self, world, n, budget, buffer_size, extra_depth, mode, policy, overflow, capacity, scaling, regroup,
-              data):
+              kind, data):
         self.cfg = ODBConfig(
-            token_budget=budget, buffer_size=buffer_size, depth=buffer_size + extra_depth, mode=mode,
+            token_budget=budget, budget=kind, buffer_size=buffer_size, depth=buffer_size + extra_depth, mode=mode,
             target_policy=policy, overflow_policy=overflow, output_capacity=capacity, loss_scaling=scaling,
             regroup_padding=regroup,
         )
@@ -126,8 +128,7 @@ class OneRankVsPeers(RuleBasedStateMachine):
         assert all(s.is_idle for s in steps) == (mine.status is not Status.READY)
         assert len(self.p.emitted) - before == sum(s.local_samples for s in steps)
         for i, s in enumerate(steps):
-            if len(s.lengths) >= 2:
-                assert max(s.lengths) * len(s.lengths) <= self.cfg.token_budget  # P3
+            assert within_budget(self.cfg.budget, s.lengths, self.cfg.token_budget)  # P3
             total_tokens = sum(vectors[r][2 * i + 1] for r in range(self.world))
             assert s.global_tokens == total_tokens
             if self.cfg.loss_scaling == "exact":

@@ -36,6 +36,7 @@ def test_simulation_at_scale_checks_every_invariant_and_reaches_done():
     assert {m.policy for m in models} == {"paper", "all-ready", "balanced"}
     assert {m.join for m in models} == {True, False} and {m.regroup[1] > 0 for m in models} == {True, False}
     assert {m.capacity for m in models} >= {1, 2, 3, 4}
+    assert {(m.budget_kind, m.join) for m in models} >= {("packed", True), ("packed", False), ("padded", True)}
     coverage = {k: sum(r.coverage[k] for r in results) for k in reach.COVERAGE}
     assert all(coverage.values()), f"a branch never simulated: {coverage}"
 

@@ -18,6 +18,7 @@ import pytest
 from model_checks import conformance, traces
 from model_checks.conformance import VARIABLES, Trace
 from model_checks.mutants import driver
+from odb_core.budgets import BUFFER_RULES, within_budget
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -219,7 +220,7 @@ def _over_budget(pool: list[Trace]) -> Trace:
                             continue
                         short = min(group, key=lambda p: lengths[r][p - 1])
                         swapped = tuple(sorted((set(group) - {short}) | set(lone)))
-                        if max(lengths[r][p - 1] for p in swapped) * len(swapped) > budget:
+                        if not within_budget(t.scenario.budget_kind, [lengths[r][p - 1] for p in swapped], budget):
                             out = list(items)
                             out[a], out[c] = swapped, (short,)
                             new = list(st)
@@ -235,7 +236,7 @@ def _singleton_run(monkeypatch) -> Trace:
                              regroup=(0, 0))
     data = [1, 2, 2, 1, 1, 2, 3, 1]
     with monkeypatch.context() as m:
-        m.setattr("odb_core.protocol.group_buffer",
+        m.setitem(BUFFER_RULES, "padded",
                   lambda lengths, budget: [[p] for p in sorted(lengths, key=lambda p: (lengths[p], p))])
         logs = traces.simulator_logs(s, data, "in_order")
     merged = traces.merge(logs, "single")
@@ -269,6 +270,7 @@ EXPECTED = {
     "mutant:early-finish": {"BRule"},
     "mutant:merge-overflow": {"BudgetOK"},
     "mutant:no-chain": {"QuotaClosure"},
+    "mutant:pack-overfill": {"BRule"},
 }
 
 
