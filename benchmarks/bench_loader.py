@@ -31,7 +31,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from odb_core.distributions import sample_lengths
 from odb_core.wire import payload_bytes
-from odb_torch import ODBDataLoader, pad_collate as pad
+from odb_torch import ODBDataLoader
+from odb_torch import pad_collate as pad
 from odb_torch.ports import free_port
 
 
@@ -191,7 +192,8 @@ def main() -> None:
     agg = {k: best(k) for k in names}
     print(f"W=2, data {a.data}, {a.samples} samples, {a.workers} workers/rank, budget {a.budget}, buffer {a.buffer}; "
           f"fixed batch size {batch_size}; best of {a.repeats} passes")
-    print("| loader | samples/s | vs ODB | samples/s after first batch | first batch (s) | steps/rank | samples/step | padding | gather B/rank/round |")
+    print("| loader | samples/s | vs ODB | samples/s after first batch | first batch (s) | steps/rank | samples/step "
+          "| padding | gather B/rank/round |")
     print("|---|---|---|---|---|---|---|---|---|")
     for k in names:
         v = agg[k]

@@ -85,7 +85,7 @@ def protocol_rounds(world: int, buffer: int, budget: int, reps: int, rounds: int
         if target == 0:
             break
 
-        def rank0_round() -> None:
+        def rank0_round(copies: list[EpochDriver] = copies) -> None:
             d = copies.pop()
             d.begin_round()
             d.on_headers(vectors)

@@ -16,7 +16,8 @@ from odb_core.distributions import sample_lengths
 
 
 def main() -> None:
-    print("| lengths | schedule | policy | seconds | steps/rank | idle steps | align. overhead | max wait | payload B/round | paper pkg payload B/round |")
+    print("| lengths | schedule | policy | seconds | steps/rank | idle steps | align. overhead | max wait "
+          "| payload B/round | paper pkg payload B/round |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in ("ultrachat", "llava", "sharegpt4o"):
         lengths = sample_lengths(name, 200_000)

@@ -25,8 +25,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model_checks import inductive, progress
-from model_checks.generated import (ODB_INVARIANTS, PROGRESS_INVARIANTS, Model, constants_cfg, model_module,
-                                    outcome, parallel, run_tlc)
+from model_checks.generated import (
+    ODB_INVARIANTS,
+    PROGRESS_INVARIANTS,
+    Model,
+    constants_cfg,
+    model_module,
+    outcome,
+    parallel,
+    run_tlc,
+)
 
 #: the monitor's counters (spec/Reach.tla CovKeys), summed over behaviours
 COVERAGE = ("gathers", "emits", "skips", "chains", "splits", "overflows", "holds", "takebacks", "idle", "capped",

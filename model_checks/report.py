@@ -17,11 +17,11 @@ from tqdm import tqdm
 
 from model_checks import conformance
 from model_checks import traces as trace_validation
+from model_checks.mutants import MUTANTS
 from model_checks.mutation import hunt
 from model_checks.reach import check_reach
 from model_checks.suites import configs, run_config
 from model_checks.tla import sany
-from model_checks.mutants import MUTANTS
 
 #: traces per TLC run (amortises the JVM start; one TraceData module each)
 TRACE_BATCH = trace_validation.TRACE_BATCH
@@ -103,7 +103,7 @@ class _Progress:
         self.bar = tqdm(total=total, desc="odb check", unit="runs", file=sys.stderr, dynamic_ncols=True,
                         disable=None if enabled else True)
 
-    def __enter__(self) -> "_Progress":
+    def __enter__(self) -> _Progress:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -21,8 +21,8 @@ from odb_core.errors import (
     WireFormatError,
 )
 from odb_core.grouping import batch_size_for, form_groups
-from odb_core.packing import pack_groups
 from odb_core.loss import step_weights
+from odb_core.packing import pack_groups
 from odb_core.protocol import Phase, Plan, RankProtocol, Step
 from odb_core.quota import QuotaTracker
 from odb_core.sampler import permutation, shard_views

@@ -104,7 +104,7 @@ class ODBConfig(BaseModel):
     shuffle_steps: bool = True
 
     @model_validator(mode="after")
-    def _depth_covers_buffer(self) -> "ODBConfig":
+    def _depth_covers_buffer(self) -> ODBConfig:
         if self.depth is not None and self.depth < self.buffer_size:
             raise ValueError(
                 f"depth ({self.depth}) must be >= buffer_size ({self.buffer_size}): "

@@ -32,7 +32,6 @@ from odb_core.grouping import check_length, hold_sparse
 from odb_core.loss import round_denominators, share
 from odb_core.wire import Header, HeaderGather, Status, StepGather, encode_steps
 
-
 CHAIN_STRIDE = 1 << 20
 """Non-join: chained iteration k of epoch e reads the sampler's permutation of epoch e + k x CHAIN_STRIDE."""
 

@@ -2,7 +2,8 @@
 
 Drives one :class:`~odb_core.epoch.EpochDriver` per rank exactly as the torch collate
 process does (the same epoch loop: chaining, quota, stall detection), so everything
-checked here (P1-P8 on the core) is checked on the code the torch adapter runs. Deterministic for a given (lengths, world, config, schedule) (P8).
+checked here (P1-P8 on the core) is checked on the code the torch adapter runs.
+Deterministic for a given (lengths, world, config, schedule) (P8).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from odb_core.quota import QuotaTracker
 from odb_core.sampler import permutation
 from odb_core.schedules import check_schedule, deliver, shard
 from odb_core.wire import HeaderGather, StepGather, payload_bytes
-
 
 Observer = Callable[[list[RankProtocol]], None]
 
@@ -66,7 +66,7 @@ class Cursor:
     done: bool = False
 
     @classmethod
-    def of(cls, drivers: Sequence[EpochDriver]) -> "Cursor":
+    def of(cls, drivers: Sequence[EpochDriver]) -> Cursor:
         """The cursor of a world of drivers (rank 0's shared fields)."""
         d = drivers[0]
         return cls(d.quota, [x.last_out for x in drivers], d.rounds, d.done)

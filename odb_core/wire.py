@@ -133,7 +133,7 @@ class HeaderGather(Sequence[Header]):
         self._derived: dict[Any, Any] = {}
 
     @classmethod
-    def decode(cls, vectors: Sequence[Sequence[int]], world: int, iteration: int, rnd: int) -> "HeaderGather":
+    def decode(cls, vectors: Sequence[Sequence[int]], world: int, iteration: int, rnd: int) -> HeaderGather:
         """Decode and check a header gather (:func:`decode_headers`)."""
         return cls(decode_headers(vectors, world, iteration, rnd), iteration, rnd)
 

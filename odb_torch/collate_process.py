@@ -37,8 +37,8 @@ from odb_core.epoch import Delivery, EpochDriver, LoopEnd
 from odb_core.errors import CollateFnError, CollateProcessError, InvalidSampleError, PeerError, SampleLoadError
 from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, encode
 from odb_torch.process_guard import DieWithParent
-from odb_torch.step_info import StepInfo
 from odb_torch.sample_packing import IndexedDataset, PackedChunk, Packer, describe_exception, unpack
+from odb_torch.step_info import StepInfo
 
 MAX_CHUNK = 64
 """At most this many consecutive sampler views are loaded and shipped as one packed chunk."""
@@ -160,7 +160,8 @@ class CollateServer:
             self._fail(exc)
         finally:
             self._close_trace()
-            self.pg = store = None
+            self.pg = None
+            del store  # the collate group's store lives exactly as long as the loop
 
     def _next_command(self) -> StartEpoch | None:
         while True:

@@ -25,16 +25,21 @@ process, and shuffling follows ODB's seed.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Collection
 from typing import Any
 
 from torch.utils.data import (
-    BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler,
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
 )
 
 from odb_core.errors import UnsupportedSettingError
 from odb_torch.loader import ODBDataLoader
+from odb_torch.loader_options import rank_and_world
 
 IGNORABLE = frozenset({"drop_last", "worker_init_fn", "type"})
 """Fields whose semantics the caller may accept losing with ``ignore=``."""
@@ -75,7 +80,7 @@ def loader_keywords(dataloader: DataLoader[Any], *, ignore: Collection[str] = ()
                                            "would not run; pass ignore=('worker_init_fn',) if it only seeds RNGs"))
     keywords = _read_fields(dl)
     if "sampler" not in kwargs and batch_sampler is not None and map_style:
-        rank, world = _rank_and_world(kwargs.get("rank"), kwargs.get("world_size"))
+        rank, world = rank_and_world(kwargs.get("rank"), kwargs.get("world_size"))
         keywords.update(_convert_sampler(batch_sampler.sampler, dl.dataset, rank, world, problems))
     if problems:
         raise UnsupportedSettingError(
@@ -156,15 +161,3 @@ def _convert_sampler(sampler: Any, dataset: Any, rank: int, world: int, problems
                                         "DistributedSampler of this group"))
             return {}
     return {"sampler": sampler}
-
-
-def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """As given, else the initialised process group's, else env ``RANK``/``WORLD_SIZE`` (as the loader does)."""
-    import torch.distributed as dist
-
-    live = dist.is_available() and dist.is_initialized()
-    if rank is None:
-        rank = dist.get_rank() if live else int(os.environ.get("RANK", 0))
-    if world_size is None:
-        world_size = dist.get_world_size() if live else int(os.environ.get("WORLD_SIZE", 1))
-    return rank, world_size

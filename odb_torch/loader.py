@@ -18,8 +18,8 @@ from odb_core.config import LossScaling, Mode, TargetPolicyName
 from odb_core.epoch import EpochDriver
 from odb_core.errors import CollateProcessError, LoaderStateError, PeerError
 from odb_torch.collate_process import CollateSpec, collate_main
-from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, decode
 from odb_torch.loader_options import CONFIG_DEFAULT, collate_rendezvous, protocol_config, rank_and_world
+from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, decode
 from odb_torch.process_guard import close_at_exit
 from odb_torch.start_failure import StartMethod, check_spawnable, explain_start_failure, resolve_start_method
 from odb_torch.step_info import StepInfo
@@ -330,7 +330,7 @@ class ODBDataLoader:
             q.close()
         self._ctrl = self._out = None
 
-    def __enter__(self) -> "ODBDataLoader":
+    def __enter__(self) -> ODBDataLoader:
         return self
 
     def __exit__(self, *exc: object) -> None:

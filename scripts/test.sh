@@ -6,4 +6,5 @@ bash "$root/scripts/bootstrap.sh"
 cd "$root"
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
 .venv/bin/python -m mypy
+.venv/bin/python -m ruff check "$root"
 exec .venv/bin/python -m pytest "$@"

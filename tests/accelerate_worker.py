@@ -23,8 +23,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "examples"))
 import accelerate_loop as guide  # noqa: E402
 
-from odb_torch import pad_collate  # noqa: E402
 from odb_tools.demo.synthetic import TokenDataset  # noqa: E402
+from odb_torch import pad_collate  # noqa: E402
 
 
 def record(micro: Any, update: int, out: list[dict[str, Any]]) -> None:

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
+from torch_support import ToyDataset
 
 from odb_torch import from_dataloader, pad_collate
-from torch_support import ToyDataset
 
 
 class WorkerTaggedDataset(ToyDataset):

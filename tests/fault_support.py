@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch_support import ToyDataset
 
 from odb_torch import ODBDataLoader, pad_collate
-from torch_support import ToyDataset
 
 FAULT_STEP = 2
 BAD = 14  # the dataset index that misbehaves

@@ -65,11 +65,11 @@ def test_hf_trainer_refuses_step_counted_settings(tiny, tmp_path, setting, messa
 
 def test_hf_trainer_loss_token_mismatch_is_named(tiny, tmp_path):
     """A loader counting other tokens than the loss sums over: LossTokenMismatchError, not silently wrong weights."""
+    from torch_support import every_token_counts
+
     from odb_core.errors import LossTokenMismatchError
     from odb_tools.demo.synthetic import TokenDataset
     from odb_torch.integrations.hf import ODBTrainer
-
-    from torch_support import every_token_counts
 
     trainer = ODBTrainer(model=tiny, args=make_args(tmp_path, num_train_epochs=1, save_strategy="no"),
                          train_dataset=TokenDataset(16), token_budget=128,

@@ -17,10 +17,15 @@ import pytest
 
 pytest.importorskip("transformers", reason="the hf extra is not installed")
 
-from odb_tools.demo.synthetic import TokenDataset  # noqa: E402
 from torch_support import (  # noqa: E402
-    check_linear_lr_by_samples, check_resume_exactly_once, check_windows, run_torchrun, trained,
+    check_linear_lr_by_samples,
+    check_resume_exactly_once,
+    check_windows,
+    run_torchrun,
+    trained,
 )
+
+from odb_tools.demo.synthetic import TokenDataset  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
 

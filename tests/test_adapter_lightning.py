@@ -16,7 +16,11 @@ import pytest
 pytest.importorskip("lightning", reason="the lightning extra is not installed")
 
 from torch_support import (  # noqa: E402
-    check_linear_lr_by_samples, check_resume_exactly_once, check_windows, run_torchrun, trained,
+    check_linear_lr_by_samples,
+    check_resume_exactly_once,
+    check_windows,
+    run_torchrun,
+    trained,
 )
 
 pytestmark = pytest.mark.timeout(400)

@@ -28,7 +28,11 @@ import pytest
 pytest.importorskip("trl", reason="the trl extra is not installed")
 
 from torch_support import (  # noqa: E402
-    check_linear_lr_by_samples, check_resume_exactly_once, check_windows, run_torchrun, trained,
+    check_linear_lr_by_samples,
+    check_resume_exactly_once,
+    check_windows,
+    run_torchrun,
+    trained,
 )
 
 pytestmark = pytest.mark.timeout(400)

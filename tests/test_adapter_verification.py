@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from model_checks.traces import merge_directory, replay
 from test_torch_loader import run_ranks
 from torch_support import check_real_traces
+
+from model_checks.traces import merge_directory, replay
 
 pytestmark = pytest.mark.timeout(300)
 

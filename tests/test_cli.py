@@ -14,7 +14,8 @@ REQUIRED = {
 
 
 def odb(*args, check=True):
-    return subprocess.run([sys.executable, "-m", "odb_tools.cli", *args], capture_output=True, text=True, timeout=120, check=check)
+    return subprocess.run([sys.executable, "-m", "odb_tools.cli", *args], capture_output=True, text=True, timeout=120,
+                          check=check)
 
 
 @pytest.mark.parametrize("schedule", ["in_order", "straggler"])

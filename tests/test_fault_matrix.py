@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from fault_support import BAD, fault_rank_main
 from test_torch_loader import run_ranks
 from torch_support import check_real_traces, describe, wait_for_no_leftovers

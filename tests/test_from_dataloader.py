@@ -18,18 +18,23 @@ from typing import Any
 
 import pytest
 import torch.multiprocessing as tmp
+from convert_support import convert_rank_main, tagged_collate
 from hypothesis import given
 from hypothesis import strategies as st
+from test_torch_loader import run_ranks
 from torch.utils.data import (
-    BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler,
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
 )
+from torch_support import ToyDataset
 
-from convert_support import convert_rank_main, tagged_collate
 from odb_core.errors import UnsupportedSettingError
 from odb_torch import ODBDataLoader, from_dataloader
 from odb_torch.convert import IGNORABLE, loader_keywords
-from test_torch_loader import run_ranks
-from torch_support import ToyDataset
 
 pytestmark = pytest.mark.timeout(300)
 

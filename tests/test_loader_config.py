@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
+from torch_support import ToyDataset
 
 from odb_core import ODBConfig
 from odb_torch import ODBDataLoader
-from torch_support import ToyDataset
 
 
 def test_config_model_is_accepted_as_is():

@@ -17,10 +17,10 @@ import pytest
 
 from model_checks import conformance
 from model_checks import traces as trace_validation
+from model_checks.mutants import MUTANTS
 from model_checks.report import SPEC_MUTANT, TRACE_BATCH
 from model_checks.suites import configs, run_config
 from model_checks.tla import sany
-from model_checks.mutants import MUTANTS
 from odb_core.budgets import BUFFER_RULES
 
 pytestmark = pytest.mark.timeout(900)

@@ -4,9 +4,9 @@ unmutated core violates none of them (the same checker, so it can tell them apar
 import pytest
 from hypothesis import given
 
+from model_checks.mutants import MUTANTS
 from model_checks.mutation import BREAKS, hunt, violations
 from model_checks.strategies import cases
-from model_checks.mutants import MUTANTS
 
 
 def test_every_mutant_has_a_property_to_break():

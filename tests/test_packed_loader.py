@@ -4,10 +4,11 @@ sample once (P4). The padding-free collate is a later step; ``pad_collate`` stan
 
 from __future__ import annotations
 
+from torch_support import ToyDataset, sample_length
+
 from odb_core import ODBConfig
 from odb_torch import ODBDataLoader, pad_collate
 from odb_torch.ports import free_port
-from torch_support import ToyDataset, sample_length
 
 
 def test_the_loader_runs_the_packed_budget_from_config():

@@ -12,9 +12,9 @@ from fractions import Fraction
 import pytest
 from hypothesis import given
 
+from model_checks.strategies import cases, lengths_from_seed
 from odb_core import NonJoinStalledError, ODBConfig, RankProtocol, audit, simulate
 from odb_core.budgets import group_cost
-from model_checks.strategies import cases, lengths_from_seed
 
 
 def run(case, observer=None):

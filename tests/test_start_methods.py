@@ -23,10 +23,10 @@ import uuid
 from pathlib import Path
 
 import pytest
+from torch_support import wait_for_no_leftovers
 
 from odb_torch.ports import free_port
 from odb_torch.start_failure import _is_main_guard
-from torch_support import wait_for_no_leftovers
 
 pytestmark = pytest.mark.timeout(240)
 

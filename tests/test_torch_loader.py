@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 import torch.multiprocessing as tmp
+from torch_support import check_real_traces, describe, rank_main, sample_length, wait_for_no_leftovers
 
 from odb_torch.ports import free_port
-from torch_support import check_real_traces, describe, rank_main, sample_length, wait_for_no_leftovers
 
 pytestmark = pytest.mark.timeout(300)
 

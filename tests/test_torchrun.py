@@ -16,7 +16,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from test_torch_loader import free_port_triple
 from torch_support import wait_for_no_leftovers
 

@@ -17,7 +17,6 @@ import pytest
 
 from model_checks import conformance, traces
 from model_checks.conformance import VARIABLES, Trace
-from model_checks.mutants import driver
 from odb_core.budgets import BUFFER_RULES, within_budget
 
 pytestmark = pytest.mark.timeout(900)

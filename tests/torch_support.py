@@ -148,7 +148,7 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
             elif task["kind"] == "resume":
                 loader.set_epoch(1)
                 before = []
-                for k, batch in enumerate(loader):
+                for k, _batch in enumerate(loader):
                     before.append(list(loader.step_info.indices))
                     if k + 1 == task["stop_after"]:
                         break

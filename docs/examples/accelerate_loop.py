@@ -22,7 +22,13 @@ from accelerate.utils import send_to_device
 from odb_tools.demo.model import ModelConfig, TinyCausalLM
 from odb_tools.demo.synthetic import TokenDataset
 from odb_torch.integrations.accelerate import (
-    backward, join_uneven_inputs, load_odb_state, odb_loader, prepare, save_odb_state, step_multiplier,
+    backward,
+    join_uneven_inputs,
+    load_odb_state,
+    odb_loader,
+    prepare,
+    save_odb_state,
+    step_multiplier,
     sync_context,
 )
 

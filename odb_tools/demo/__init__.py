@@ -12,7 +12,6 @@ from typing import Any
 from odb_core.grouping import form_groups
 from odb_torch.ports import free_port
 
-
 # full: every method clips the gradient norm at 1.0 (as Hugging Face's Trainer does by
 # default; the paper clips too) and peaks at lr 4e-3, Standard's better of 2e-3 and 4e-3
 # with clipping; ODB makes each update of 4 micro-batches of 1,024 tokens per rank, which

@@ -104,7 +104,7 @@ class ChatDataset(Dataset):  # type: ignore[type-arg]
         """Every sample's length, in index order (computed once, when the vocabulary was built)."""
         return [self.all_lengths[j] for j in self.indices]
 
-    def subset(self, indices: list[int]) -> "ChatDataset":
+    def subset(self, indices: list[int]) -> ChatDataset:
         """The same data (and vocabulary) restricted to ``indices`` of this dataset, without re-tokenizing."""
         other = object.__new__(ChatDataset)
         other.__dict__.update(self.__getstate__())

@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from odb_torch.collate import pad_collate
 from odb_tools.demo.chat_data import ChatDataset
 from odb_tools.demo.model import ModelConfig, TinyCausalLM
 from odb_tools.progress import bar
+from odb_torch.collate import pad_collate
 from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import shifted_loss_tokens
 from odb_torch.windows import AccumulationWindows
