@@ -316,7 +316,9 @@ STATE_SPACE_SCENARIOS = (  # in aligned order, so the core's state space equals 
              regroup=(0, 0), budget_kind="packed", shuffle=False),
 )
 SHUFFLED_SCENARIOS = (  # shuffled steps: one seeded order per round, inside the spec's every order
-    Scenario("nonjoin_2x4_shuffled", ((2, 3, 6, 9), (1, 1, 5, 12)), join=False, seed=3),
+    # 3 views per rank: 2,712 core states, 440 of them reached only by shuffling (17 s; the 4-view
+    # version, 11,344 core states inside 18,978, took 70 s of the suite)
+    Scenario("nonjoin_2x3_shuffled", ((2, 3, 6), (1, 5, 12)), join=False, seed=3),
 )
 
 

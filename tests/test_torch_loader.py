@@ -85,15 +85,15 @@ def run_ranks(
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_lockstep_coverage_budget_over_three_epochs_without_leaks(world, tmp_path):
-    n = 157
-    results = run_ranks(world, {"kind": "audit", "n": n, "epochs": 3, "workers": 1 if world == 2 else 0}, tmp_path,
+def test_lockstep_coverage_budget_over_two_epochs_without_leaks(world, tmp_path):
+    n = 113
+    results = run_ranks(world, {"kind": "audit", "n": n, "epochs": 2, "workers": 1 if world == 2 else 0}, tmp_path,
                         trace=world in (2, 3))
     for r in results:
         assert "error" not in r, r
     if world in (2, 3):  # the real run, traced, is a behaviour of the spec (every invariant, every state)
         check_real_traces(tmp_path / "traces", require=("fetch", "drain", "gather", "split", "end"))
-    for epoch in range(3):
+    for epoch in range(2):
         steps = [r["epochs"][epoch] for r in results]
         assert len({len(s) for s in steps}) == 1, "P2: ranks yielded different step counts"
         assert all([x["step"] for x in s] == list(range(len(s))) for s in steps)
@@ -152,14 +152,14 @@ def test_abandoned_epoch_does_not_leak_stale_batches_into_the_next(tmp_path):
     assert len({len(r["epoch1"]) for r in results}) == 1
 
 
-@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
 def test_other_start_methods_give_the_same_epoch(start_method, tmp_path):
     task = {"kind": "audit", "n": 70, "epochs": 1, "seed": 3}
-    spawned = run_ranks(2, task, tmp_path / "spawn")
+    default = run_ranks(2, task, tmp_path / "auto")  # start_method="auto": fork on Linux
     other = run_ranks(2, {**task, "start_method": start_method}, tmp_path / start_method)
-    for r in spawned + other:
+    for r in default + other:
         assert "error" not in r, r
-    assert [r["epochs"] for r in other] == [r["epochs"] for r in spawned]
+    assert [r["epochs"] for r in other] == [r["epochs"] for r in default]
 
 
 @pytest.mark.parametrize("collate", ["tuple", "tensor"])

@@ -115,7 +115,7 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
         loader = loader_cls(dataset, token_budget=128, collate_fn=collate, buffer_size=task.get("buffer", 16),
                                num_workers=task.get("workers", 0), seed=task.get("seed", 0),
                                init_method=f"tcp://127.0.0.1:{port + 1}", timeout=task.get("timeout", 60),
-                               start_method=task.get("start_method", "spawn"), mode=task.get("mode", "join"),
+                               start_method=task.get("start_method", "auto"), mode=task.get("mode", "join"),
                                sampler=ShardSampler(task["shards"][rank]) if "shards" in task else None,
                                skip_idle=task.get("skip_idle", False), shuffle=task.get("shuffle", True),
                                target_policy=task.get("target_policy", "balanced"),
