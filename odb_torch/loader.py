@@ -293,7 +293,7 @@ class ODBDataLoader:
     def _death(self) -> CollateProcessError:
         """Why the collate process died, as far as this process can tell."""
         code = self._proc.exitcode
-        if code == 1 and not self._heard:  # died before running ODB's code: spawn bootstrap
+        if code == 1 and not self._heard and self._start_method != "fork":  # died in the spawn bootstrap
             return CollateProcessError(f"rank {self.rank}: " + explain_start_failure(
                 (self._spec, self.sampler), self._start_method, code), rank=self.rank)
         how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import traceback
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
-from torch_support import ToyDataset
+from torch_support import ToyDataset, finish_rank, record_error
 
 from odb_torch import from_dataloader, pad_collate
 
@@ -71,11 +68,5 @@ def convert_rank_main(rank: int, world: int, port: int, out_dir: str, task: dict
         finally:
             loader.close()
     except Exception as exc:
-        result["error"] = type(exc).__name__
-        result["message"] = str(exc)
-        result["trace"] = traceback.format_exc()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
+        record_error(result, exc)
+    finish_rank(result, out_dir, rank)

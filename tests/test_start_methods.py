@@ -132,3 +132,27 @@ def test_spawn_refuses_what_cannot_start_on_every_rank_within_seconds(how, world
 ])
 def test_main_guard_is_recognised_exactly(source, guard):
     assert _is_main_guard(ast.parse(source).body[0]) is guard
+
+
+def test_a_spawn_child_that_dies_while_importing_the_script_is_explained(tmp_path):
+    """What the pre-start check cannot see (the script fails when re-imported as
+    ``__mp_main__``) is reported after the child's death with the cause and the fix."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from odb_torch import ODBDataLoader, pad_collate
+        if __name__ == "__mp_main__":
+            raise RuntimeError("an import-time side effect")
+        if __name__ == "__main__":
+            data = [{"input_ids": torch.arange(1 + i % 5)} for i in range(12)]
+            loader = ODBDataLoader(data, token_budget=16, collate_fn=pad_collate, num_workers=0, timeout=60,
+                                   start_method="spawn", rank=0, world_size=1)
+            list(loader)
+    """))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert not set(os.listdir("/dev/shm")) - shm_before, "shared memory left behind"
+    assert proc.returncode != 0
+    assert "CollateProcessError: rank 0: the collate process (spawn) could not start (exit code 1)" in proc.stderr
+    assert f"re-importing your script {script}" in proc.stderr, proc.stderr[-3000:]

@@ -180,9 +180,19 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
         finally:
             loader.close()
     except Exception as exc:
-        result["error"] = type(exc).__name__
-        result["message"] = str(exc)
-        result["trace"] = traceback.format_exc()
+        record_error(result, exc)
+    finish_rank(result, out_dir, rank)
+
+
+def record_error(result: dict[str, Any], exc: Exception) -> None:
+    """Put the rank's error (type, message, traceback) into its result, for the test to check."""
+    result["error"] = type(exc).__name__
+    result["message"] = str(exc)
+    result["trace"] = traceback.format_exc()
+
+
+def finish_rank(result: dict[str, Any], out_dir: str, rank: int) -> None:
+    """Write the rank's result to ``out_dir/rank<r>.json`` and leave the process group."""
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     try:
         dist.destroy_process_group()
