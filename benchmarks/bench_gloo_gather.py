@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 from datetime import timedelta
@@ -25,6 +24,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 from torch.distributed import ProcessGroupGloo, TCPStore  # type: ignore[attr-defined]
+
+from odb_torch.ports import free_port
 
 
 def fds() -> int:
@@ -57,12 +58,6 @@ def worker(rank: int, world: int, port: int, iters: int, target: int, results: A
         times_s.append(t2 - t1)
     gather(pg, header, world)  # nobody leaves while a peer still gathers
     results.put((rank, before, with_group, times_h, times_s))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def pct(values: list[float], q: float) -> float:
