@@ -20,6 +20,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -349,9 +350,12 @@ class StateSpaceResult:
 
 
 def compare_state_spaces(s: Scenario) -> StateSpaceResult:
-    """Enumerate the core and run TLC on the same constants; compare states and transitions."""
-    py_states, py_edges = enumerate_core(s)
-    run, tlc_states, tlc_edges = explore_spec(s)
+    """Enumerate the core and run TLC on the same constants; compare states and transitions.
+    TLC runs in its own process while the core is enumerated here."""
+    with ThreadPoolExecutor(1) as pool:
+        spec = pool.submit(explore_spec, s)
+        py_states, py_edges = enumerate_core(s)
+        run, tlc_states, tlc_edges = spec.result()
     if run.outcome != "ok":
         raise RuntimeError(f"TLC on conformance scenario {s.name}: {run.outcome}\n{run.output[-3000:]}")
     return StateSpaceResult(
