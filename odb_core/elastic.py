@@ -1,0 +1,165 @@
+"""Elastic resume (join mode), sans-IO: W ranks' loader states -> one global state -> W' ranks' views.
+
+An epoch's **global order** is the padded ``DistributedSampler`` order of the run that
+started it, on ``order_world`` ranks: ``total`` positions, rank r holding r, r + W, r + 2W, ...
+(its sampler position p is global position r + p x W). Padding duplicates (``drop_last=False``)
+are positions of their own: each is yielded once, like any other view (P4). A rank resumed
+elastically holds an explicit list of global positions (``views``) instead of its stride.
+
+:func:`merge_states` checks that W states describe one step boundary of one epoch (every rank
+present once, the same epoch, steps, seed and order, no position consumed twice) and returns
+the consumed global positions; :func:`assign_views` hands rank r' of W' its share of the rest:
+every remaining position exactly once over the W' ranks, in global order, at most one more
+on some ranks than on others (join mode tolerates uneven view counts, P2/P4, so nothing is padded).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from odb_core.errors import ResumeStateError
+
+AGREED_FIELDS = ("epoch", "steps", "seed", "total", "order_world")
+"""The fields every rank's state must share for a merge."""
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalState:
+    """One step boundary of one epoch, over every rank: what a resume at any W' needs."""
+
+    epoch: int
+    steps: int
+    """Steps (idle included) every rank consumed in the epoch so far; a resume continues the count."""
+    seed: int
+    total: int
+    """Positions in the epoch's global order."""
+    order_world: int
+    """The world size whose padded ``DistributedSampler`` order is the global order."""
+    consumed: tuple[int, ...]
+    """Global positions already yielded, sorted."""
+
+    def remaining(self) -> list[int]:
+        """The global positions not yet yielded, in global order."""
+        done = set(self.consumed)
+        return [g for g in range(self.total) if g not in done]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able form, accepted by :func:`global_state_from` and ``ODBDataLoader.load_state_dict``."""
+        return {"kind": "odb-global", "epoch": self.epoch, "steps": self.steps, "seed": self.seed,
+                "total": self.total, "order_world": self.order_world, "consumed": list(self.consumed)}
+
+
+def rank_positions(state: Mapping[str, Any]) -> list[int]:
+    """The global positions of one rank's sampler order, indexed by its sampler position."""
+    if state.get("views") is not None:
+        return [int(g) for g in state["views"]]
+    world, order_world = int(state["world_size"]), int(state.get("order_world", state["world_size"]))
+    if world != order_world:
+        raise ResumeStateError(f"rank {state['rank']}: a state at world size {world} over an order of "
+                               f"{order_world} ranks must list its views", field="views", ranks=[state["rank"]])
+    return list(range(int(state["rank"]), int(state["total"]), world))
+
+
+def _agreed(states: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """The fields every state shares; :class:`ResumeStateError` naming the first that differs."""
+    for key in ("rank", "world_size", "epoch", "steps", "seed", "consumed", "total"):
+        missing = [i for i, s in enumerate(states) if key not in s]
+        if missing:
+            raise ResumeStateError(f"loader states {missing} lack {key!r} (a state_dict of an older ODB "
+                                   "cannot be resumed on another world size)", field=key, ranks=missing)
+    values: dict[str, int] = {}
+    for key in AGREED_FIELDS:
+        seen = [int(s.get(key, s["world_size"]) if key == "order_world" else s[key]) for s in states]
+        common = Counter(seen).most_common(1)[0][0]
+        differ = [int(s["rank"]) for s, v in zip(states, seen) if v != common]
+        if differ:
+            raise ResumeStateError(f"ranks {differ} have another {key} than the others ({common}): the states "
+                                   "are not one step boundary of one run", field=key, ranks=differ)
+        values[key] = common
+    return values
+
+
+def _check_ranks(states: Sequence[Mapping[str, Any]]) -> int:
+    """The world size W of the states; every rank 0..W-1 present exactly once."""
+    worlds = sorted({int(s["world_size"]) for s in states})
+    if len(worlds) != 1:
+        raise ResumeStateError(f"the states come from world sizes {worlds}", field="world_size")
+    world = worlds[0]
+    ranks = Counter(int(s["rank"]) for s in states)
+    twice = sorted(r for r, c in ranks.items() if c > 1)
+    missing = sorted(set(range(world)) - set(ranks))
+    stray = sorted(set(ranks) - set(range(world)))
+    if twice or missing or stray:
+        raise ResumeStateError(f"a world of {world} ranks needs every rank's state once: missing {missing}, "
+                               f"twice {twice}, outside the world {stray}", field="rank", ranks=missing + twice + stray)
+    return world
+
+
+def _check_pool(states: Sequence[Mapping[str, Any]], held: int) -> None:
+    """States of an elastically resumed epoch: their views together are the whole remaining pool
+    of that resume (``pool``), so no view is lost by a state that lists too few."""
+    pools = {int(s["pool"]) for s in states if s.get("views") is not None}
+    if not pools:
+        return
+    if len(pools) != 1 or any(s.get("views") is None for s in states) or held != pools.pop():
+        raise ResumeStateError(f"the ranks' views hold {held} positions, not the pool of their resume "
+                               f"({sorted({s.get('pool') for s in states}, key=str)})", field="views")
+
+
+def merge_states(states: Sequence[Mapping[str, Any]]) -> GlobalState:
+    """Merge every rank's ``ODBDataLoader.state_dict()`` of one step boundary into a :class:`GlobalState`.
+
+    Raises :class:`ResumeStateError` (``field``, ``ranks``, ``indices``) unless the states are
+    W distinct ranks of one world, agree on epoch, steps, seed and global order, their orders
+    are disjoint and their consumed positions in range and each consumed once.
+    """
+    if not states:
+        raise ResumeStateError("no loader state to merge", field="rank")
+    _check_ranks(states)
+    agreed = _agreed(states)
+    owner: dict[int, int] = {}  # global position -> the rank whose order holds it
+    consumed: list[int] = []
+    for s in sorted(states, key=lambda s: int(s["rank"])):
+        rank, positions = int(s["rank"]), rank_positions(s)
+        clash = sorted({g for g in positions if g in owner or not 0 <= g < agreed["total"]})
+        if clash:
+            raise ResumeStateError(f"rank {rank}: global positions {clash[:8]} are held by another rank or "
+                                   f"outside the order of {agreed['total']}", field="views", ranks=[rank],
+                                   indices=clash, rank=rank)
+        owner.update((g, rank) for g in positions)
+        local = [int(p) for p in s["consumed"]]
+        bad = sorted({p for p in local if not 0 <= p < len(positions)} | {p for p, c in Counter(local).items() if c > 1})
+        if bad:
+            raise ResumeStateError(f"rank {rank}: consumed positions {bad[:8]} are out of its {len(positions)} "
+                                   "views or listed twice", field="consumed", ranks=[rank], indices=bad, rank=rank)
+        consumed.extend(positions[p] for p in local)
+    _check_pool(states, len(owner))
+    done = set(consumed) | (set(range(agreed["total"])) - set(owner))  # an elastic epoch's earlier share
+    return GlobalState(agreed["epoch"], agreed["steps"], agreed["seed"], agreed["total"], agreed["order_world"],
+                       tuple(sorted(done)))
+
+
+def global_state_from(state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> GlobalState:
+    """A :class:`GlobalState` from a merged state's :meth:`GlobalState.to_dict` or a list of every rank's state."""
+    if isinstance(state, Mapping):
+        if state.get("kind") != "odb-global":
+            raise ResumeStateError("a single rank's state cannot resume another world size: pass the list of "
+                                   "every rank's state_dict, or their merge_states(...).to_dict()", field="kind")
+        consumed = tuple(sorted(int(g) for g in state["consumed"]))
+        if len(set(consumed)) != len(consumed) or any(not 0 <= g < int(state["total"]) for g in consumed):
+            raise ResumeStateError("the global state's consumed positions repeat or fall outside its order",
+                                   field="consumed", indices=consumed)
+        return GlobalState(int(state["epoch"]), int(state["steps"]), int(state["seed"]), int(state["total"]),
+                           int(state["order_world"]), consumed)
+    return merge_states(list(state))
+
+
+def assign_views(state: GlobalState, world: int, rank: int) -> list[int]:
+    """Rank ``rank`` of ``world``'s views for the rest of the epoch: global positions, every remaining
+    one on exactly one rank (the remaining order dealt round-robin; counts differ by at most one)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} outside world of size {world}")
+    return state.remaining()[rank::world]
