@@ -85,6 +85,16 @@ class StartMethodError(CollateProcessError):
     any process starts; the message names the cause and the fix."""
 
 
+class DescriptorLimitError(CollateProcessError):
+    """The collate group of W ranks needs more open files than the hard ``RLIMIT_NOFILE``
+    allows on this rank (raised by its collate process before it joins the group);
+    ``needed`` and ``limit`` are the two counts."""
+
+    def __init__(self, message: str = "", *, rank: int | None = None, needed: int = 0, limit: int = 0) -> None:
+        super().__init__(message, rank=rank)
+        self.needed, self.limit = needed, limit
+
+
 class PeerError(ODBError):
     """A collective of the collate group failed: a peer rank died, or a straggler exceeded the timeout."""
 

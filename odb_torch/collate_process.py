@@ -34,7 +34,15 @@ from torch.utils.data import DataLoader, Dataset
 
 from odb_core import ODBConfig, ODBError
 from odb_core.epoch import Delivery, EpochDriver, LoopEnd
-from odb_core.errors import CollateFnError, CollateProcessError, InvalidSampleError, PeerError, SampleLoadError
+from odb_core.errors import (
+    CollateFnError,
+    CollateProcessError,
+    DescriptorLimitError,
+    InvalidSampleError,
+    PeerError,
+    SampleLoadError,
+)
+from odb_torch.descriptors import ensure_descriptors
 from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, encode
 from odb_torch.process_guard import DieWithParent
 from odb_torch.sample_packing import IndexedDataset, PackedChunk, Packer, describe_exception, unpack
@@ -145,6 +153,11 @@ class CollateServer:
     def serve(self) -> None:
         """Join the collate group, then run each :class:`StartEpoch` until :class:`Stop`."""
         spec = self.spec
+        try:
+            ensure_descriptors(spec.world, spec.rank)
+        except DescriptorLimitError as exc:
+            self.out.put(encode(Failure(exc)))
+            return
         try:
             store, self.pg = _collate_group(spec)
         except Exception as exc:
