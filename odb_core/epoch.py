@@ -30,12 +30,19 @@ to it as a plain dict (the events ``model_checks.traces`` merges into a spec beh
 from __future__ import annotations
 
 import hashlib
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from odb_core.config import ODBConfig
-from odb_core.errors import ConfigMismatchError, NonJoinStalledError, ProtocolStateError
+from odb_core.errors import (
+    ConfigMismatchError,
+    NonJoinStalledError,
+    ProtocolStateError,
+    ResumeStateError,
+    UnsupportedSettingError,
+)
 from odb_core.protocol import CHAIN_STRIDE, Plan, RankProtocol, Step
 from odb_core.quota import QuotaTracker
 from odb_core.wire import HeaderGather, Status, StepGather
@@ -86,6 +93,12 @@ class EpochDriver:
         first_step: the number of the first delivery (a resumed epoch continues its count).
         skip_idle: end this rank's loop with :class:`LoopEnd` once it is finished (join only).
         trace: a list to append trace events to, or None (no cost).
+        stream: this rank's views are a stream whose length is unknown until it ends (an
+            ``IterableDataset``): :meth:`start_iteration` takes no order, a view's identity and
+            sampler position is its position in the stream (``skip``: stream positions already
+            consumed, left out), and the caller reports the end with :meth:`end_stream`. Join
+            mode only: non-join's quota N is the dataset size, unknown for a stream
+            (:class:`UnsupportedSettingError`, field ``mode``).
     """
 
     protocol_cls: type[RankProtocol] = RankProtocol
@@ -93,9 +106,15 @@ class EpochDriver:
 
     def __init__(self, config: ODBConfig, rank: int, world: int, epoch: int = 0, *, quota: int | None = None,
                  skip: Sequence[int] = (), first_step: int = 0, skip_idle: bool = False,
-                 trace: list[dict[str, Any]] | None = None) -> None:
+                 trace: list[dict[str, Any]] | None = None, stream: bool = False) -> None:
         self.config, self.rank, self.world, self.epoch = config, rank, world, epoch
         self.join = config.mode == "join"
+        self.stream = stream
+        if stream and not self.join:
+            raise UnsupportedSettingError(
+                f"rank {rank}: mode='non-join' over a stream: non-join ends the epoch at a quota of N samples "
+                "(the dataset size), and a stream's size is unknown until it ends; use mode='join'",
+                field="mode", rank=rank)
         if not self.join and quota is None:
             raise ValueError("non-join mode needs the sample quota N (the dataset size)")
         self.quota = None if self.join else QuotaTracker(quota or 0)
@@ -159,14 +178,16 @@ class EpochDriver:
         order). Join mode leaves out the positions in ``skip`` (a resumed epoch)."""
         if self.sampler_epoch is None:
             raise ProtocolStateError(f"rank {self.rank}: start_iteration() while an iteration runs or after the end")
+        if self.stream and len(order):
+            raise ProtocolStateError(f"rank {self.rank}: a stream has no sampler order: start_iteration(())")
         self.iteration += 1
         self.kept = [p for p in range(len(order)) if p not in self.skip] if self.join else list(range(len(order)))
         views = [order[p] for p in self.kept]
         self.protocol = self.protocol_cls(self.config, self.rank, self.world, views, iteration=self.iteration,
-                                          epoch=self.epoch)
+                                          epoch=self.epoch, stream=self._next_kept if self.stream else None)
         self.rounds, self.last_out = 0, ()
         self._iteration_start = self.quota.emitted if self.quota is not None else 0
-        self._record(ev="iteration", iteration=self.iteration, views=len(views))
+        self._record(ev="iteration", iteration=self.iteration, views=-1 if self.stream else len(views))
 
     @property
     def views(self) -> list[int]:
@@ -180,6 +201,35 @@ class EpochDriver:
         if fetched:
             self._record(ev="fetch", positions=fetched)
         return fetched
+
+    def stream_positions(self, positions: Sequence[int]) -> list[int]:
+        """The stream positions of fetched ``positions`` (increasing: read the stream up to each,
+        passing over the positions left out)."""
+        return [self.kept[p] for p in positions]
+
+    def end_stream(self, count: int) -> None:
+        """The stream ended after ``count`` elements (stream positions 0..count-1): every fetched
+        position at or past it leaves Q and the rank finishes once B drains (P4). A resumed
+        stream shorter than its consumed positions is a :class:`ResumeStateError`."""
+        if not self.kept or not 0 <= count <= self.kept[-1]:
+            raise ProtocolStateError(f"rank {self.rank}: the stream cannot end after {count} elements: its end is "
+                                     f"found reading a fetched stream position, and the last is {self.kept[-1:]}")
+        beyond = sorted(p for p in self.skip if p >= count)
+        if beyond:
+            raise ResumeStateError(f"rank {self.rank}: the stream ended after {count} elements, but the checkpoint "
+                                   f"consumed stream positions {beyond[:8]}: the stream changed since the checkpoint",
+                                   field="consumed", indices=beyond, rank=self.rank)
+        n = bisect_left(self.kept, count)
+        self._proto().end(n)
+        self._record(ev="stream_end", pos=n)
+
+    def _next_kept(self, pos: int) -> int:
+        """A stream view's identity: its stream position, passing over ``skip``."""
+        s = self.kept[-1] + 1 if self.kept else 0
+        while s in self.skip:
+            s += 1
+        self.kept.append(s)
+        return s
 
     def arrive(self, pos: int, length: int, tokens: int | None = None) -> None:
         """A loaded sample: Q -> B (raises :class:`InvalidSampleError` on a bad length)."""

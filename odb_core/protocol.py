@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -100,16 +100,25 @@ class RankProtocol:
         views: this rank's sampler views (dataset identities) in sampler order.
         iteration: logical iteration number within the epoch (chained non-join iterations).
         epoch: the epoch (with ``iteration``, it seeds this rank's step order, P8).
+        stream: a stream whose view count is unknown until it ends: ``views`` must be empty,
+            ``fetch`` takes positions without an upper bound and names each one's identity
+            ``stream(position)`` (called once per position, in order), and the rank reports
+            FINISHED only after :meth:`end` told where the stream ended and R, Q, B drained (P4).
     """
 
     def __init__(self, config: ODBConfig, rank: int, world: int, views: Sequence[int], iteration: int = 0,
-                 epoch: int = 0) -> None:
+                 epoch: int = 0, *, stream: Callable[[int], int] | None = None) -> None:
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} outside world of size {world}")
         self.config = config
         self.rank = rank
         self.world = world
         self.views = list(views)
+        if stream is not None and self.views:
+            raise ValueError("a stream's views are named by stream(position) as they are fetched: pass views=()")
+        self._stream = stream
+        self.ended = stream is None
+        """The view count is known: always for a list of views, after :meth:`end` for a stream."""
         self.iteration = iteration
         self.epoch = epoch
         self._target_policy = TARGET_FUNCTIONS[config.target_policy]
@@ -144,7 +153,7 @@ class RankProtocol:
     # ---- state queries -------------------------------------------------------------
     @property
     def remaining(self) -> list[int]:
-        """R: positions not yet fetched, in sampler order."""
+        """R: positions not yet fetched, in sampler order (a stream's unknown rest is not listed)."""
         return list(range(self._next, len(self.views)))
 
     @property
@@ -197,18 +206,38 @@ class RankProtocol:
 
     @property
     def finished(self) -> bool:
-        """R, Q and B are all empty."""
-        return self._next == len(self.views) and not self._inflight and not self._length
+        """R, Q and B are all empty (a stream's R is empty only once its end is known)."""
+        return self.ended and self._next == len(self.views) and not self._inflight and not self._length
 
     # ---- 1. fetch ------------------------------------------------------------------
     def fetch(self) -> list[int]:
         """Move views R -> Q while |Q| + |B| < D; return the positions to request."""
         self._require(Phase.OPEN, "fetch")
-        take = max(0, min(self.fetch_room(), len(self.views) - self._next))
+        room = max(0, self.fetch_room())
+        take = min(room, len(self.views) - self._next) if self.ended else room
         fetched = list(range(self._next, self._next + take))
+        if self._stream is not None and not self.ended:
+            self.views.extend(map(self._stream, fetched))
         self._next += take
         self._inflight.update(fetched)
         return fetched
+
+    def end(self, n: int) -> None:
+        """The stream ended at position ``n`` (it has exactly ``n`` views): the positions from
+        ``n`` on were fetched past its end and leave Q; R is empty from now on. ``n`` must not be
+        beyond what was fetched, and no position from ``n`` on may have arrived
+        (:class:`ProtocolStateError`)."""
+        self._require(Phase.OPEN, "end")
+        if self._stream is None or self.ended:
+            raise ProtocolStateError(f"rank {self.rank}: end({n}) but this rank's view count is already known")
+        past = [p for p in range(n, self._next) if p not in self._inflight]
+        if not 0 <= n <= self._next or past:
+            raise ProtocolStateError(f"rank {self.rank}: the stream cannot end at position {n}: "
+                                     f"{self._next} positions were fetched, positions {past} arrived or left",
+                                     indices=past)
+        self._inflight.difference_update(range(n, self._next))
+        del self.views[n:]
+        self._next, self.ended = n, True
 
     # ---- 2. arrive -----------------------------------------------------------------
     def arrive(self, pos: int, length: int, tokens: int | None = None) -> None:
@@ -244,7 +273,7 @@ class RankProtocol:
         """Group if the buffer is full or the sampler is drained; return the header vector."""
         self._require(Phase.OPEN, "begin_round")
         nbuf = len(self._length)
-        drained = self._next == len(self.views) and not self._inflight
+        drained = self.ended and self._next == len(self.views) and not self._inflight
         if self._reports_finished(drained):
             status, self._groups = Status.FINISHED, []
             nbuf = 0
