@@ -7,7 +7,7 @@ import queue
 import signal
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NoReturn
 
 import torch.multiprocessing as tmp
@@ -18,6 +18,7 @@ from odb_core.config import LossScaling, Mode, TargetPolicyName
 from odb_core.epoch import EpochDriver
 from odb_core.errors import CollateProcessError, LoaderStateError, PeerError
 from odb_torch.collate_process import CollateSpec, collate_main
+from odb_torch.elastic import ElasticEpoch, ElasticOrder, order_total, plan_resume, rank_share
 from odb_torch.loader_options import CONFIG_DEFAULT, collate_rendezvous, protocol_config, rank_and_world
 from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, decode
 from odb_torch.process_guard import close_at_exit
@@ -158,6 +159,7 @@ class ODBDataLoader:
         self._serial = 0  # epochs started by this loader (the same on every rank: names trace files)
         self._generation = 0  # bumped by every iter() and close(): older iterators are stale
         self._stale_reason = ""
+        self._elastic: ElasticEpoch | None = None  # this rank's share of an epoch resumed on another world size
         self._heard = False  # the current collate process has sent a message
 
     @property
@@ -189,24 +191,50 @@ class ODBDataLoader:
         back = list(self._recent)[len(self._recent) - unconsumed:]
         n_pos, n_steps = sum(b[0] for b in back), sum(b[1] for b in back)
         consumed = self._consumed[: len(self._consumed) - n_pos]
-        return {"epoch": self.epoch, "steps": self._steps - n_steps, "consumed": sorted(consumed),
-                "rank": self.rank, "world_size": self.world_size, "seed": self.config.seed}
+        state: dict[str, Any] = {"epoch": self.epoch, "steps": self._steps - n_steps, "consumed": sorted(consumed),
+                                 "rank": self.rank, "world_size": self.world_size, "seed": self.config.seed}
+        share = self._elastic if self._elastic is not None and self._elastic.epoch == self.epoch else None
+        if share is not None:  # sampler positions index the dealt views of the global order
+            state.update(views=list(share.views), pool=share.pool, order_world=share.order_world, total=share.total)
+        elif type(self.sampler) is DistributedSampler:  # the global order is known: elastic resume possible
+            state.update(order_world=self.world_size, total=order_total(self.sampler, self.world_size))
+        return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`; the rank, world size and seed must match (join mode only)."""
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Resume from :meth:`state_dict` (join mode only).
+
+        ``state`` is this rank's own state_dict (the rank, world size and seed must match), or, to
+        resume on another number of ranks, the list of every rank's state_dicts of one step
+        boundary or their ``odb_core.elastic.merge_states(...).to_dict()``: this rank then serves
+        its share of the views not yet yielded (every one on exactly one rank) and the step count
+        continues from the checkpoint's (``steps`` counts the epoch's steps over both runs).
+        Elastic resume needs a plain ``DistributedSampler`` (:class:`UnsupportedSettingError`
+        otherwise); states that are not one step boundary raise :class:`ResumeStateError`.
+        """
         if self.config.mode != "join":
             raise NotImplementedError("load_state_dict resumes mid-epoch in join mode only")
-        for key, mine in (("rank", self.rank), ("world_size", self.world_size), ("seed", self.config.seed)):
-            if state.get(key) != mine:
-                raise ValueError(f"state_dict {key}={state.get(key)!r} does not match this loader's {mine!r}")
-        self.epoch = int(state["epoch"])
-        self._resume = (self.epoch, list(state["consumed"]), int(state["steps"]))
+        if isinstance(state, Mapping) and state.get("kind") != "odb-global" and (
+                state.get("world_size") == self.world_size):
+            for key, mine in (("rank", self.rank), ("seed", self.config.seed)):
+                if state.get(key) != mine:
+                    raise ValueError(f"state_dict {key}={state.get(key)!r} does not match this loader's {mine!r}")
+            share = rank_share(state)
+            self.epoch = int(state["epoch"])
+            self._resume = (self.epoch, list(state["consumed"]), int(state["steps"]))
+        else:
+            merged, share = plan_resume(self.sampler, self.rank, self.world_size, self.config.seed, state)
+            self.epoch = merged.epoch
+            self._resume = (self.epoch, [], merged.steps)
+        if share is not None or self._elastic is not None:
+            self.close()  # the collate process holds the sampler it started with
+        self._elastic = share
 
     def _start(self) -> None:
-        check_spawnable((self._spec, self.sampler), self._start_method, inspect.currentframe(), rank=self.rank)
+        sampler = self.sampler if self._elastic is None else ElasticOrder(self.sampler, self._elastic)
+        check_spawnable((self._spec, sampler), self._start_method, inspect.currentframe(), rank=self.rank)
         self._ctrl = self._ctx.Queue()
         self._out = self._ctx.Queue(maxsize=self._queue_size)
-        self._proc = self._ctx.Process(target=collate_main, args=(self._spec, self.sampler, self._ctrl, self._out),
+        self._proc = self._ctx.Process(target=collate_main, args=(self._spec, sampler, self._ctrl, self._out),
                                        name=f"odb-collate-rank{self.rank}", daemon=False)
         self._heard = False
         self._proc.start()

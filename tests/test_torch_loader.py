@@ -14,6 +14,7 @@ import os
 import signal
 import time
 import uuid
+from collections import Counter
 from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
@@ -221,3 +222,34 @@ def test_skip_idle_under_join_ends_a_finished_rank_early_without_deadlock(tmp_pa
         assert counts[0] >= counts[1] + 10, f"rank 1 should run far fewer batches than rank 0, got {counts}"
         ids = [i for r in results for batch in r["epochs"][epoch] for i in batch]
         assert sorted(ids) == list(range(n)), f"P4: epoch {epoch} under Join trains every sample once"
+
+
+def test_elastic_resume_cut_on_2_ranks_resumed_on_3_then_on_2_yields_every_view_exactly_once(tmp_path):
+    """Elastic resume (join, P2/P4 across world sizes): 2 ranks stop after 3 steps, 3 ranks resume
+    from the 2 rank states and stop after 2 more, 2 ranks resume from the 3 states (which list
+    their dealt views) and finish. Every view of the epoch's padded order on 2 ranks is yielded
+    exactly once over the three runs, each run's ranks take equal steps, the step count continues."""
+    n, states_a, states_b = 61, tmp_path / "states_a", tmp_path / "states_b"
+    states_a.mkdir()
+    states_b.mkdir()
+    base = {"kind": "elastic", "n": n, "buffer": 8}
+    runs = [run_ranks(2, {**base, "stop_after": 3, "save": str(states_a)}, tmp_path / "a"),
+            run_ranks(3, {**base, "load": str(states_a), "stop_after": 2, "save": str(states_b)}, tmp_path / "b"),
+            run_ranks(2, {**base, "load": str(states_b)}, tmp_path / "c", trace=True)]
+    for results in runs:
+        for r in results:
+            assert "error" not in r, r.get("trace")
+    for name in ("c",):  # the resumed run (over dealt views) is a behaviour of the spec
+        check_real_traces(tmp_path / name / "traces")
+    first = 0
+    for results in runs:
+        numbers = [[number for number, _ in r["steps"]] for r in results]
+        assert len({len(x) for x in numbers}) == 1, "P2: a run's ranks took different step counts"
+        assert all(x == list(range(first, first + len(x))) for x in numbers), "the step count continues"
+        first += len(numbers[0])
+    assert [r["saved_steps"] for results in runs[:2] for r in results] == [3, 3, 5, 5, 5]
+    assert all(r["single_state_refused"] == "kind" for results in runs[1:] for r in results)
+    ids = [i for results in runs for r in results for _, batch in r["steps"] for i in batch]
+    counts = Counter(ids)
+    assert set(counts) == set(range(n)), "P4 across the world-size changes: a view lost"
+    assert len(ids) == 2 * math.ceil(n / 2) and max(counts.values()) <= 2, "P4: a view yielded twice"

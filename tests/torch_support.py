@@ -159,6 +159,8 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
                 loader.load_state_dict(state)
                 after = [list(loader.step_info.indices) for _ in loader]
                 result.update(before=before, after=after)
+            elif task["kind"] == "elastic":
+                result.update(elastic_stage(loader, task, rank))
             elif task["kind"] == "abandon":
                 loader.set_epoch(0)
                 for k, _ in enumerate(loader):
@@ -198,6 +200,33 @@ def finish_rank(result: dict[str, Any], out_dir: str, rank: int) -> None:
         dist.destroy_process_group()
     except Exception:
         pass
+
+
+def elastic_stage(loader: ODBDataLoader, task: dict[str, Any], rank: int) -> dict[str, Any]:
+    """One run of an epoch cut across world sizes: resume from every rank's state in
+    ``task["load"]`` (if given; a single rank's state of the other world is refused first), run
+    to ``stop_after`` steps or the end, save this rank's state into ``task["save"]`` (if given)."""
+    from odb_core.errors import ResumeStateError
+
+    out: dict[str, Any] = {}
+    loader.set_epoch(1)
+    if task.get("load"):
+        states = [json.loads(p.read_text()) for p in sorted(Path(task["load"]).glob("state_rank*.json"))]
+        try:
+            loader.load_state_dict(states[0])
+        except ResumeStateError as exc:
+            out["single_state_refused"] = exc.field
+        loader.load_state_dict(states)
+    steps = []
+    for k, _ in enumerate(loader):
+        steps.append([loader.step_info.step, list(loader.step_info.indices)])
+        if k + 1 == task.get("stop_after"):
+            break
+    if task.get("save"):
+        state = loader.state_dict()
+        Path(task["save"], f"state_rank{rank}.json").write_text(json.dumps(state))
+        out["saved_steps"] = state["steps"]
+    return {**out, "steps": steps}
 
 
 def join_epochs(loader: ODBDataLoader, epochs: int) -> list[list[list[int]]]:
