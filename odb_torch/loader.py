@@ -18,7 +18,7 @@ from odb_core.config import LossScaling, Mode, TargetPolicyName
 from odb_core.epoch import EpochDriver
 from odb_core.errors import CollateProcessError, LoaderStateError, PeerError
 from odb_torch.collate_process import CollateSpec, collate_main
-from odb_torch.elastic import ElasticEpoch, ElasticOrder, order_total, plan_resume, rank_share
+from odb_torch.elastic import ElasticEpoch, ElasticOrder, check_sampler, order_total, plan_resume, rank_share
 from odb_torch.loader_options import CONFIG_DEFAULT, collate_rendezvous, protocol_config, rank_and_world
 from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, decode
 from odb_torch.process_guard import close_at_exit
@@ -230,7 +230,8 @@ class ODBDataLoader:
         self._elastic = share
 
     def _start(self) -> None:
-        sampler = self.sampler if self._elastic is None else ElasticOrder(self.sampler, self._elastic)
+        sampler = self.sampler if self._elastic is None else ElasticOrder(
+            check_sampler(self.sampler, self.rank, self.world_size), self._elastic)
         check_spawnable((self._spec, sampler), self._start_method, inspect.currentframe(), rank=self.rank)
         self._ctrl = self._ctx.Queue()
         self._out = self._ctx.Queue(maxsize=self._queue_size)

@@ -9,13 +9,16 @@ windows, the same padding and the same number of optimizer steps.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from odb_core.errors import CheckpointStateError
+from odb_core.elastic import global_state_from
+from odb_core.errors import CheckpointStateError, ResumeStateError
 from odb_torch.step_info import StepInfo
 
 if TYPE_CHECKING:
@@ -213,21 +216,72 @@ def save_windows_state(windows: AccumulationWindows, folder: str) -> str:
     return path
 
 
+COUNTERS = ("epoch", "epochs_completed", "samples_seen", "tokens_seen", "updates", "samples_in_epoch",
+            "accumulation_steps")
+"""Window state fields that count over every rank, hence equal in every rank's state."""
+
+
+def _world_of(state: dict[str, Any]) -> int | None:
+    """The world size a rank's window state was taken on (None: at an epoch end, or a merged state)."""
+    loader = state.get("loader")
+    return None if loader is None or loader.get("kind") == "odb-global" else int(loader["world_size"])
+
+
+def load_windows_states(windows: AccumulationWindows, states: Sequence[dict[str, Any]]) -> None:
+    """Resume from every rank's window state of one update, on any number of ranks (join mode).
+
+    The counters are global (the same in every state, else :class:`ResumeStateError` naming the
+    field); the loader states are merged (:func:`odb_core.elastic.merge_states`) and this rank
+    serves its share of the views not yet yielded (P4 across the change of world size).
+    """
+    for key in COUNTERS:
+        differ = [r for r, s in enumerate(states) if s.get(key) != states[0].get(key)]
+        if differ:
+            raise ResumeStateError(f"window states {differ} have another {key} than state 0", field=key,
+                                   ranks=differ)
+    loaders: list[dict[str, Any]] = [s["loader"] for s in states if s.get("loader") is not None]
+    windows.load_state_dict(states[0])
+    if not loaders:
+        return
+    if len(loaders) != len(states):
+        raise ResumeStateError("some ranks' states are at an epoch end and others are not", field="loader")
+    merged = global_state_from(loaders[0] if loaders[0].get("kind") == "odb-global" else loaders).to_dict()
+    windows.loader.load_state_dict(merged)
+    assert windows._resume is not None
+    windows._resume["loader"] = merged  # what the next iter() restores and an unstarted state_dict() hands on
+
+
 def load_windows_state(windows: AccumulationWindows, folder: str) -> None:
     """Restore this rank's state from ``folder``; the next ``iter(windows)`` continues where it was saved.
 
-    Raises :class:`~odb_core.errors.CheckpointStateError` naming the file when it is missing
-    or does not fit this run (rank, world size, seed, accumulation steps).
+    A checkpoint of another world size (join mode): every rank's file in ``folder`` is read and
+    merged (:func:`load_windows_states`). Raises :class:`~odb_core.errors.CheckpointStateError`
+    naming the file when it is missing or does not fit this run (rank, seed, accumulation steps).
     """
-    path = state_file(folder, windows.loader.rank)
-    if not os.path.isfile(path):
-        raise CheckpointStateError(f"{path} is missing: checkpoint {folder} holds no ODB state for rank "
-                                   f"{windows.loader.rank}")
-    with open(path) as fh:
-        state = json.load(fh)
+    rank, world = windows.loader.rank, windows.loader.world_size
+    found = {int(m.group(1)): p for p in glob.glob(os.path.join(glob.escape(folder), "odb_state_rank*.json"))
+             if (m := re.search(r"odb_state_rank(\d+)\.json$", p))}
+    states = {r: _read(p) for r, p in sorted(found.items())}
+    path = state_file(folder, rank)
+    worlds = {_world_of(s) for s in states.values()} - {None, world}
+    if worlds or (states and rank not in states and len(states) != world):
+        try:
+            load_windows_states(windows, list(states.values()))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointStateError(f"{folder} (resuming {len(states)} ranks' states on {world}): {exc}") from exc
+        return
+    if rank not in states:
+        raise CheckpointStateError(f"{path} is missing: checkpoint {folder} holds no ODB state for rank {rank}")
+    state = states[rank]
     try:
         windows.load_state_dict(state)
         if state.get("loader") is not None:
             windows.loader.load_state_dict(state["loader"])  # validates rank, world size and seed
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointStateError(f"{path}: {exc}") from None
+
+
+def _read(path: str) -> dict[str, Any]:
+    with open(path) as fh:
+        state: dict[str, Any] = json.load(fh)
+    return state

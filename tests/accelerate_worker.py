@@ -1,10 +1,11 @@
 """The Accelerate guide's loops run by the adapter tests under torchrun (W = 1 or 2).
 
-    torchrun ... tests/accelerate_worker.py OUT lockstep|join
+    torchrun ... tests/accelerate_worker.py OUT lockstep|resume|join
 
 lockstep: run A checkpoints after update 5 and stops (a crash), run B resumes and finishes
 2 epochs; every micro-batch is recorded, and at A's first update the DDP gradient is
 compared with a single-process per-token-mean gradient over the same samples.
+resume: run B again from A's checkpoint, on another number of ranks (elastic resume).
 join: skip_idle batches under torch Join; every yielded step is recorded.
 Writes OUT/<mode>_rank{r}.json.
 """
@@ -66,6 +67,13 @@ def main() -> None:
                                                    before_step=before_step)
         result["updates_b"] = guide.train_lockstep(out, resume=True, on_micro=lambda m, u: record(m, u, runs["b"]))
         result.update(runs=runs, grad_check=grad_check)
+    elif mode == "resume":  # on another world size, from run A's checkpoint (every rank's ODB state merged)
+        records: list[dict[str, Any]] = []
+        result["updates"] = guide.train_lockstep(out, resume=True, on_micro=lambda m, u: records.append(
+            {**dict(zip(("update", "epoch"), (u, m.info.epoch))), "indices": list(m.info.indices),
+             "padding": m.is_padding, "idle": m.info.is_idle, "multiplier": m.loss_multiplier,
+             "local_tokens": m.info.local_tokens}))
+        result["records"] = records
     else:
         steps: list[dict[str, Any]] = []
         guide.train_join(on_batch=lambda info: steps.append(

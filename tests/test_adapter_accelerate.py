@@ -3,7 +3,8 @@
 Lockstep: a run checkpoints mid-epoch and stops, a second resumes: exactly-once coverage
 per epoch across the two (P4), equal micro-batches per update on every rank (P2), exact
 window weights (P7), and the first update's DDP gradient equal to the single-process
-per-token-mean gradient over the same samples. Join: ``skip_idle`` batches under torch
+per-token-mean gradient over the same samples; at W=2, A's checkpoint also resumes on one rank
+(elastic resume) with the same exactly-once coverage. Join: ``skip_idle`` batches under torch
 ``Join`` with uneven shards: coverage, and ranks really ran different batch counts.
 """
 
@@ -37,6 +38,12 @@ def test_accelerate_lockstep_resume_exact_gradient(world, tmp_path):
     check = ranks[0]["grad_check"]
     assert check["samples"] > world and check["max_rel_err"] < 1e-5, (
         f"P7: DDP gradient differs from the per-token-mean reference by {check['max_rel_err']:.2e}")
+    if world == 2:  # elastic: A's 2-rank checkpoint resumed on 1 rank (both rank files merged) loses nothing
+        run_torchrun(WORKER, [str(tmp_path), "resume"], 1)
+        resumed = json.loads((tmp_path / "resume_rank0.json").read_text())
+        check_resume_exactly_once(before, trained([resumed["records"]]), N)
+        check_windows([resumed["records"]])
+        assert resumed["updates"] > 0 and resumed["records"][0]["update"] == 5, "the update count continues"
 
 
 def test_accelerate_join_uneven_shards(tmp_path):

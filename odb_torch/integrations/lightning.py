@@ -38,7 +38,7 @@ from odb_torch.collate import pad_collate
 from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import shifted_loss_tokens
 from odb_torch.schedule import ProgressLR, warmup_cosine, warmup_linear
-from odb_torch.windows import AccumulationWindows, MicroBatch
+from odb_torch.windows import AccumulationWindows, MicroBatch, load_windows_states
 
 
 def odb_fields(mb: MicroBatch) -> dict[str, Any]:
@@ -101,10 +101,11 @@ class ODBLightningCallback(Callback):
         if self._pending is not None:
             states = self._pending["ranks"]
             rank = self._windows.loader.rank
-            if len(states) != self._windows.loader.world_size:
-                raise CheckpointStateError(f"checkpoint holds ODB state for {len(states)} ranks, this run has "
-                                           f"{self._windows.loader.world_size}")
             try:
+                if len(states) != self._windows.loader.world_size:  # resume on another world size: merge them
+                    load_windows_states(self._windows, states)
+                    self._pending = None
+                    return self._windows
                 self._windows.load_state_dict(states[rank])
                 if states[rank].get("loader") is not None:
                     self._windows.loader.load_state_dict(states[rank]["loader"])
