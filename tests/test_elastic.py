@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -152,3 +152,70 @@ def test_a_single_rank_state_is_refused_for_another_world_and_a_merged_state_rou
     with pytest.raises(ResumeStateError) as err:
         global_state_from(good_states()[0])
     assert err.value.field == "kind"
+
+
+# ---- the torch side: the global order, and what the loader refuses (no process starts) ----------
+
+def loader(world: int = 2, rank: int = 0, **kw: Any) -> Any:
+    from torch_support import ToyDataset
+
+    from odb_torch import ODBDataLoader
+
+    return ODBDataLoader(ToyDataset(23), token_budget=128, rank=rank, world_size=world, num_workers=0,
+                         init_method="tcp://127.0.0.1:1", **kw)
+
+
+def check_global_order(order_fn: Callable[..., list[int]], drop_last: bool, shuffle: bool) -> None:
+    from torch.utils.data import DistributedSampler
+
+    for n in range(1, 12):
+        for world in range(1, 5):
+            ranks = [DistributedSampler(cast(Any, range(n)), num_replicas=world, rank=r, shuffle=shuffle, seed=5,
+                                        drop_last=drop_last) for r in range(world)]
+            for s in ranks:
+                s.set_epoch(3)
+            order = order_fn(ranks[0], 3, world)
+            assert [order[r::world] for r in range(world)] == [list(s) for s in ranks], (n, world)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_the_rebuilt_global_order_is_what_every_distributed_sampler_rank_yields(drop_last: bool, shuffle: bool) -> None:
+    from odb_torch.elastic import global_order
+
+    check_global_order(global_order, drop_last, shuffle)
+
+
+def test_the_global_order_check_catches_an_order_rebuilt_without_padding() -> None:
+    from odb_torch.elastic import global_order
+
+    def unpadded(sampler: Any, epoch: int, world: int) -> list[int]:
+        return global_order(sampler, epoch, world)[: len(sampler.dataset)]
+
+    with pytest.raises(AssertionError):
+        check_global_order(unpadded, False, True)
+
+
+def test_elastic_resume_refuses_a_custom_sampler_a_non_join_loader_and_a_lone_state_of_another_world() -> None:
+    from torch_support import ShardSampler
+
+    from odb_core.errors import UnsupportedSettingError
+
+    states = [dict(s, seed=0, total=24) for s in good_states()[:2]]
+    for s in states:
+        s["world_size"] = 2
+    with pytest.raises(UnsupportedSettingError) as err:
+        loader(3, sampler=ShardSampler([0, 1])).load_state_dict(states)
+    assert err.value.field == "sampler"
+    with pytest.raises(NotImplementedError, match="join mode only"):
+        loader(3, mode="non-join").load_state_dict(states)
+    with pytest.raises(ResumeStateError) as lone:
+        loader(3).load_state_dict(states[0])
+    assert lone.value.field == "kind"
+    with pytest.raises(ResumeStateError) as size:
+        loader(3).load_state_dict([dict(s, total=26) for s in states])  # 23 samples on 2 ranks: 24 views
+    assert size.value.field == "total"
+    resumed = loader(3, rank=2)
+    resumed.load_state_dict(states)
+    assert resumed.epoch == 1 and resumed._resume == (1, [], 3)
+    assert resumed._elastic is not None and resumed._elastic.views == tuple(range(4, 24))[2::3]
