@@ -105,6 +105,16 @@ class LossTokenMismatchError(ODBError, ValueError):
     dataset indices and both counts."""
 
 
+class PackedAttentionError(ODBError, ValueError):
+    """A model whose attention would let the sequences of a packed (padding-free) row
+    attend to each other (P7's per-sequence loss would silently change); ``model_class``
+    and ``attn_implementation`` name the combination, the message the fix."""
+
+    def __init__(self, message: str = "", *, model_class: str = "", attn_implementation: str = "") -> None:
+        super().__init__(message)
+        self.model_class, self.attn_implementation = model_class, attn_implementation
+
+
 class CheckpointStateError(ODBError, ValueError):
     """A checkpoint lacks ODB's loader state for this rank, or holds one that does not fit
     this run (rank, world size, seed, accumulation steps); names the file."""

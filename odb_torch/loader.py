@@ -14,7 +14,7 @@ import torch.multiprocessing as tmp
 from torch.utils.data import Dataset, DistributedSampler, default_collate
 
 from odb_core import ODBConfig
-from odb_core.config import LossScaling, Mode, TargetPolicyName
+from odb_core.config import BudgetName, LossScaling, Mode, TargetPolicyName
 from odb_core.epoch import EpochDriver
 from odb_core.errors import CollateProcessError, LoaderStateError, PeerError
 from odb_torch.collate_process import CollateSpec, collate_main
@@ -53,7 +53,7 @@ class ODBDataLoader:
         token_budget: L_max, padded tokens per batch.
         config: the core's :class:`~odb_core.ODBConfig` instead of the protocol keywords
             (token_budget, buffer_size, depth, mode, loss_scaling, target_policy, seed, shuffle_steps,
-            regroup_padding); a keyword given with it must agree with it (``ValueError``
+            regroup_padding, budget); a keyword given with it must agree with it (``ValueError``
             naming the keyword otherwise). Protocol keywords left out take ``ODBConfig``'s
             defaults (buffer 1024, depth = buffer, join, exact, balanced, seed 0,
             shuffled steps, regroup above 2% padding).
@@ -78,6 +78,9 @@ class ODBDataLoader:
             MASTER_PORT+1``, or a free local port when alone; env ``ODB_COLLATE_PORT``).
         timeout: seconds before a silent collate process or peer is an error.
         start_method: how the collate process starts: ``"auto"`` (default): ``fork`` on
+        budget: ``"padded"`` (default: max length x group size <= token_budget) or
+            ``"packed"`` (sum of lengths <= token_budget; pair it with
+            :func:`~odb_torch.padding_free.packed_collate`, ``docs/packing.md``).
             Linux, as a plain DataLoader starts its workers (nothing pickled, the script
             never re-run: notebooks, ``python - < script`` and scripts without a main guard
             work; the collate process never touches CUDA), else ``spawn``; or ``"spawn"``,
@@ -121,11 +124,12 @@ class ODBDataLoader:
         worker_start_method: Literal["fork", "spawn", "forkserver"] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        budget: BudgetName = CONFIG_DEFAULT,
         queue_size: int = 8,
     ) -> None:
         self.config = protocol_config(config, token_budget, dict(
             buffer_size=buffer_size, depth=depth, mode=mode, loss_scaling=loss_scaling, target_policy=target_policy,
-            seed=seed, shuffle_steps=shuffle_steps, regroup_padding=regroup_padding))
+            seed=seed, shuffle_steps=shuffle_steps, regroup_padding=regroup_padding, budget=budget))
         seed = self.config.seed
         rank, world_size = rank_and_world(rank, world_size)
         self.rank, self.world_size = rank, world_size

@@ -33,10 +33,11 @@ def test_invalid_keyword_names_the_field():
 @pytest.mark.parametrize(("keyword", "value"), [
     ("mode", "join"), ("buffer_size", 1024), ("target_policy", "balanced"), ("seed", 0),
     ("regroup_padding", None), ("shuffle_steps", True), ("loss_scaling", "exact"), ("depth", None),
+    ("budget", "padded"),
 ])
 def test_a_keyword_that_contradicts_config_is_refused_even_when_it_is_the_default(keyword, value):
     config = ODBConfig(token_budget=64, buffer_size=8, depth=9, mode="non-join", seed=5, loss_scaling="sample",
-                       target_policy="paper", regroup_padding=0.1, shuffle_steps=False)
+                       target_policy="paper", regroup_padding=0.1, shuffle_steps=False, budget="packed")
     with pytest.raises(ValueError, match=f"{keyword}={value!r} contradicts config.{keyword}"):
         ODBDataLoader(ToyDataset(10), config=config, rank=0, world_size=1, **{keyword: value})
     agreeing = {keyword: getattr(config, keyword)}

@@ -35,9 +35,9 @@ import torch
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
-from odb_torch.collate import pad_collate
 from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import shifted_loss_tokens
+from odb_torch.padding_free import adapter_defaults
 from odb_torch.step_info import StepInfo
 from odb_torch.windows import AccumulationWindows, MicroBatch, load_windows_state, save_windows_state
 
@@ -47,10 +47,10 @@ def odb_loader(accelerator: Any, dataset: Any, *, token_budget: int, **loader_kw
 
     Do not pass it to ``accelerator.prepare``: Accelerate would re-shard it. ``loss_tokens_fn``
     defaults to :func:`~odb_torch.losses.shifted_loss_tokens` (causal LMs), ``collate_fn`` to
-    :func:`~odb_torch.pad_collate`.
+    :func:`~odb_torch.pad_collate` (:func:`~odb_torch.packed_collate` under ``budget="packed"``).
     """
     loader_kwargs.setdefault("loss_tokens_fn", shifted_loss_tokens)
-    loader_kwargs.setdefault("collate_fn", pad_collate)
+    adapter_defaults(None, loader_kwargs)
     loader_kwargs.setdefault("rank", accelerator.process_index)
     loader_kwargs.setdefault("world_size", accelerator.num_processes)
     return ODBDataLoader(dataset, token_budget=token_budget, **loader_kwargs)
@@ -59,7 +59,11 @@ def odb_loader(accelerator: Any, dataset: Any, *, token_budget: int, **loader_kw
 def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Any, *,
             token_budget: int, accumulation_steps: int = 1, pad_last_window: bool = False,
             **loader_kwargs: Any) -> tuple[Any, Any, AccumulationWindows]:
-    """``accelerator.prepare(model, optimizer)`` plus ODB windows over ``dataset`` (lockstep mode)."""
+    """``accelerator.prepare(model, optimizer)`` plus ODB windows over ``dataset`` (lockstep mode).
+
+    Under ``budget="packed"`` a model that would let packed sequences attend to each other is
+    refused first (:class:`~odb_core.errors.PackedAttentionError`)."""
+    adapter_defaults(model, loader_kwargs)
     model, optimizer = accelerator.prepare(model, optimizer)
     windows = AccumulationWindows(odb_loader(accelerator, dataset, token_budget=token_budget, **loader_kwargs),
                                   accumulation_steps, pad_last_window=pad_last_window)

@@ -36,9 +36,9 @@ from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from odb_core.errors import LossTokenMismatchError
-from odb_torch.collate import pad_collate
 from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import causal_lm_loss_sum, logits_of, shifted_loss_tokens
+from odb_torch.padding_free import VARLEN_KEYS, adapter_defaults
 from odb_torch.schedule import ProgressLR
 from odb_torch.windows import AccumulationWindows, MicroBatch, load_windows_state, save_windows_state
 
@@ -133,11 +133,14 @@ def causal_lm_loss(model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[torc
 
 
 def forward_inputs(model: torch.nn.Module, inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """The batch fields ``model.forward`` names explicitly, plus ``labels`` (as HF's column pruning keeps)."""
+    """The batch fields ``model.forward`` names explicitly, plus ``labels`` (as HF's column pruning
+    keeps) and, when it takes ``**kwargs``, a packed row's varlen keywords (``cu_seq_lens_q``, ...)."""
     params = inspect.signature(model.forward).parameters
     named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
     if not named:
         return dict(inputs)
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        named.update(VARLEN_KEYS)
     return {k: v for k, v in inputs.items() if k in named or k == "labels"}
 
 
@@ -150,7 +153,9 @@ class ODBTrainer(Trainer):
             ``length_fn``, ``timeout``, ...). ``num_workers`` defaults to
             ``args.dataloader_num_workers``, ``seed`` to ``args.seed``, ``loss_tokens_fn`` to
             :func:`~odb_torch.losses.shifted_loss_tokens`, ``collate_fn`` to the
-            ``data_collator`` (default :func:`~odb_torch.pad_collate`).
+            ``data_collator`` (default :func:`~odb_torch.pad_collate`; under ``budget="packed"``
+            :func:`~odb_torch.packed_collate`, and a model that would let packed sequences attend
+            to each other is refused: :func:`~odb_torch.check_packed_attention`).
         loss_sum_fn: ``(model, inputs) -> (summed token loss, token count)``; the count must
             equal the loader's ``loss_tokens_fn`` summed over the batch, else
             :class:`~odb_core.errors.LossTokenMismatchError`. Default: causal-LM shifted
@@ -186,7 +191,10 @@ class ODBTrainer(Trainer):
         collator = kwargs.get("data_collator")
         self.odb_token_budget = token_budget
         self.odb_kwargs = odb_kwargs
-        self.odb_collate = collator if collator is not None else pad_collate
+        if collator is not None:
+            odb_kwargs.setdefault("collate_fn", collator)
+        adapter_defaults(model, odb_kwargs)
+        self.odb_collate = odb_kwargs.pop("collate_fn")
         self.odb_loss_sum_fn: LossSumFn = loss_sum_fn or causal_lm_loss
         self.odb_warmup_samples = warmup_samples
         self.odb_windows: AccumulationWindows | None = None

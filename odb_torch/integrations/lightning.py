@@ -34,9 +34,9 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 
 from odb_core.errors import CheckpointStateError
-from odb_torch.collate import pad_collate
 from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import shifted_loss_tokens
+from odb_torch.padding_free import adapter_defaults
 from odb_torch.schedule import ProgressLR, warmup_cosine, warmup_linear
 from odb_torch.windows import AccumulationWindows, MicroBatch, load_windows_states
 
@@ -72,14 +72,16 @@ class ODBLightningCallback(Callback):
         token_budget: L_max per micro-batch.
         accumulate_grad_batches: must equal the Trainer's (checked at fit start).
         loader_kwargs: further ODBDataLoader keywords; ``collate_fn`` defaults to
-            :func:`~odb_torch.pad_collate`, ``loss_tokens_fn`` to shifted labels (causal LMs).
+            :func:`~odb_torch.pad_collate` (:func:`~odb_torch.packed_collate` under
+            ``budget="packed"``, and the LightningModule's model is checked at fit start:
+            :func:`~odb_torch.check_packed_attention`), ``loss_tokens_fn`` to shifted labels.
     """
 
     def __init__(self, dataset: Any, *, token_budget: int, accumulate_grad_batches: int = 1,
                  **loader_kwargs: Any) -> None:
         if loader_kwargs.get("mode", "join") != "join" or loader_kwargs.get("skip_idle"):
             raise ValueError("ODBLightningCallback needs join mode without skip_idle (lockstep, resumable)")
-        loader_kwargs.setdefault("collate_fn", pad_collate)
+        adapter_defaults(None, loader_kwargs)
         loader_kwargs.setdefault("loss_tokens_fn", shifted_loss_tokens)
         self.dataset, self.token_budget, self.loader_kwargs = dataset, token_budget, loader_kwargs
         self.accumulate_grad_batches = accumulate_grad_batches
@@ -132,6 +134,7 @@ class ODBLightningCallback(Callback):
 
     # -- Lightning hooks ----------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        adapter_defaults(pl_module, dict(self.loader_kwargs))
         if trainer.accumulate_grad_batches != self.accumulate_grad_batches:
             raise ValueError(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) differs from "
                              f"ODBLightningCallback(accumulate_grad_batches={self.accumulate_grad_batches})")

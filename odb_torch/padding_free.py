@@ -1,0 +1,153 @@
+"""A padding-free ``collate_fn`` for the packed budget, and the check that a model keeps
+packed sequences apart (``docs/packing.md``).
+
+``packed_collate`` concatenates a group into one row, the format Hugging Face models take
+padding-free (as ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` builds it):
+``position_ids`` restart at 0 per sequence and the varlen keywords carry the boundaries.
+Whether the model honours them depends on its attention implementation:
+:func:`check_packed_attention` refuses a combination that would not.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+from odb_core.errors import PackedAttentionError
+
+IGNORE_INDEX = -100
+
+#: the batch keys the collate returns (the demo and the adapters rely on them)
+PACKED_KEYS = ("input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+#: sample fields the row replaces (every other field is default-collated)
+ROW_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+
+#: the varlen keywords flash-attention kernels take (``transformers``' ``FlashAttentionKwargs``)
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+#: implementations that read the boundaries from ``cu_seq_lens_*`` or ``position_ids`` themselves
+FLASH_IMPLEMENTATIONS = frozenset({"flash_attention_2", "flash_attention_3", "flash_attention_4"})
+
+#: implementations whose mask ``transformers.masking_utils.create_causal_mask`` builds per
+#: sequence from restarting ``position_ids`` (only without a 2D attention mask and without a cache)
+MASKED_IMPLEMENTATIONS = frozenset({"eager", "sdpa", "flex_attention"})
+
+
+def packed_collate(samples: Sequence[Mapping[str, Any]], label_pad_id: int = IGNORE_INDEX) -> dict[str, Any]:
+    """One padding-free row from ``samples`` (each with ``input_ids``, optional ``labels``).
+
+    Returns ``input_ids`` and ``labels`` (int64, ``[1, total]``; a sample without labels is
+    labelled by its ``input_ids``), ``position_ids`` (int64, ``[1, total]``, 0.. per sample),
+    ``cu_seq_lens_q`` = ``cu_seq_lens_k`` (int32, ``[n + 1]``, the boundaries) and
+    ``max_length_q`` = ``max_length_k`` (int, the longest sample). The first label of every
+    sample is ``label_pad_id``, so no label crosses a boundary and a causal loss over the
+    row counts exactly each sample's shifted labels (``losses.shifted_loss_tokens``, P7).
+    No ``attention_mask`` (a 2D mask would stop ``transformers`` from separating the samples;
+    one the samples carry is left out, as the row has no padding to mask). Any other field
+    goes through torch's ``default_collate``, as in ``pad_collate``.
+    """
+    if not samples:
+        raise ValueError("packed_collate needs at least one sample")
+    ids = [torch.as_tensor(s["input_ids"], dtype=torch.int64).reshape(-1) for s in samples]
+    labels = []
+    for k, (s, row) in enumerate(zip(samples, ids, strict=True)):
+        lab = torch.as_tensor(s["labels"], dtype=torch.int64).reshape(-1).clone() if "labels" in s else row.clone()
+        if len(lab) != len(row):
+            raise ValueError(f"sample {k} of the group: {len(lab)} labels for {len(row)} input_ids")
+        lab[:1] = label_pad_id
+        labels.append(lab)
+    lengths = torch.tensor([len(r) for r in ids], dtype=torch.int32)
+    cu = torch.zeros(len(ids) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    longest = int(lengths.max())
+    rest = {key: default_collate([s[key] for s in samples]) for key in samples[0] if key not in ROW_KEYS}
+    return {**rest, "input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None],
+            "position_ids": torch.cat([torch.arange(len(r), dtype=torch.int64) for r in ids])[None],
+            "cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone(), "max_length_q": longest, "max_length_k": longest}
+
+
+def check_packed_attention(model: torch.nn.Module) -> str | None:
+    """Raise :class:`~odb_core.errors.PackedAttentionError` when ``model`` (a ``transformers``
+    model, or a module holding one) would let the samples of a packed row attend to each
+    other; return its attention implementation when it keeps them apart.
+
+    Safe: ``flash_attention_2/3/4`` (varlen kernels over ``cu_seq_lens_*``/``position_ids``);
+    ``eager``, ``sdpa``, ``flex_attention`` when the model builds its mask with
+    ``transformers.masking_utils.create_causal_mask`` and ``config.use_cache`` is False (a
+    cache, even an empty one, switches the per-sequence mask off). Anything else is refused.
+    A module holding no ``transformers`` model returns ``None``: its attention is the caller's.
+    """
+    hf = _transformers_model(model)
+    if hf is None:
+        return None
+    config = hf.config
+    impl = str(config._attn_implementation)
+    name = type(hf).__name__
+    if impl in FLASH_IMPLEMENTATIONS:
+        return impl
+    if impl not in MASKED_IMPLEMENTATIONS:
+        raise PackedAttentionError(
+            f"{name} with attn_implementation={impl!r}: ODB knows no way it keeps packed sequences apart; "
+            "use 'flash_attention_2' (GPU), 'sdpa' or 'eager', or budget='padded'",
+            model_class=name, attn_implementation=impl)
+    if not _builds_packed_masks(model):
+        raise PackedAttentionError(
+            f"{name} with attn_implementation={impl!r}: its modeling code does not build its mask with "
+            "transformers.masking_utils.create_causal_mask, so restarting position_ids do not separate the "
+            "sequences; use a flash_attention implementation or budget='padded'",
+            model_class=name, attn_implementation=impl)
+    if any(getattr(getattr(m, "config", None), "use_cache", False) for m in model.modules()):
+        raise PackedAttentionError(
+            f"{name} with attn_implementation={impl!r} and config.use_cache=True: the cache it creates in "
+            "forward switches off the per-sequence mask, so packed sequences would attend to each other; "
+            "set model.config.use_cache = False for training",
+            model_class=name, attn_implementation=impl)
+    return impl
+
+
+def _transformers_model(model: torch.nn.Module) -> Any:
+    """``model`` or its first submodule with a ``transformers`` config naming an attention implementation."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            return module
+    return None
+
+
+def _builds_packed_masks(model: torch.nn.Module) -> bool:
+    """Whether a submodule of ``model`` with a ``transformers`` config comes from a modeling
+    module that uses ``create_causal_mask`` (a multimodal wrapper's language model counts)."""
+    from transformers import masking_utils
+
+    for module in model.modules():
+        if getattr(module, "config", None) is None:
+            continue
+        namespace = vars(sys.modules.get(type(module).__module__, sys))
+        if namespace.get("create_causal_mask") is masking_utils.create_causal_mask:
+            return True
+    return False
+
+
+def budget_of(loader_kwargs: Mapping[str, Any]) -> str:
+    """The budget a set of :class:`~odb_torch.ODBDataLoader` keywords selects: ``budget=``,
+    else ``config.budget``, else ``"padded"``."""
+    if "budget" in loader_kwargs:
+        return str(loader_kwargs["budget"])
+    return str(getattr(loader_kwargs.get("config"), "budget", "padded"))
+
+
+def adapter_defaults(model: torch.nn.Module | None, loader_kwargs: dict[str, Any]) -> None:
+    """What a trainer adapter does with its loader keywords: ``collate_fn`` defaults to
+    :func:`packed_collate` under the packed budget (``pad_collate`` otherwise), and a
+    ``model`` that would let packed sequences attend to each other is refused before training."""
+    from odb_torch.collate import pad_collate
+
+    packed = budget_of(loader_kwargs) == "packed"
+    loader_kwargs.setdefault("collate_fn", packed_collate if packed else pad_collate)
+    if packed and model is not None:
+        check_packed_attention(model)

@@ -1,0 +1,128 @@
+"""odb_torch.packed_collate: the padding-free row Hugging Face models take, and
+check_packed_attention, which refuses a model/attention combination that would let packed
+sequences attend to each other (tests/test_packed_exactness.py compares the losses)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from odb_core.errors import ODBError, PackedAttentionError
+from odb_torch import check_packed_attention, packed_collate
+from odb_torch.losses import shifted_loss_tokens
+
+transformers = pytest.importorskip("transformers")
+
+from test_packed_exactness import VOCAB, samples, tiny_model  # noqa: E402
+
+rows = st.lists(st.lists(st.integers(-100, 1000), min_size=1, max_size=30), min_size=1, max_size=10)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ids=rows, with_labels=st.booleans())
+def test_the_row_concatenates_the_samples_with_positions_and_boundaries(ids, with_labels):
+    """Every key the padding-free format needs, of the stated shape and dtype; positions
+    restart at each boundary; each sample's first label is -100 and the rest are its own."""
+    group = [{"input_ids": [abs(t) for t in r], **({"labels": r} if with_labels else {})} for r in ids]
+    batch = packed_collate(group)
+    total, lengths = sum(map(len, ids)), [len(r) for r in ids]
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["position_ids"].shape == (1, total)
+    assert batch["input_ids"].dtype == batch["labels"].dtype == batch["position_ids"].dtype == torch.int64
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        assert batch[key].dtype == torch.int32 and batch[key].tolist() == cu
+    assert batch["max_length_q"] == batch["max_length_k"] == max(lengths)
+    assert batch["position_ids"][0].tolist() == [p for n in lengths for p in range(n)]
+    for s, a, b in zip(group, cu, cu[1:], strict=False):
+        assert batch["input_ids"][0, a:b].tolist() == s["input_ids"]
+        expected = s.get("labels", s["input_ids"])
+        assert batch["labels"][0, a:b].tolist() == [-100] + list(expected[1:])
+    assert "attention_mask" not in batch
+    assert int((batch["labels"][0, 1:] != -100).sum()) == sum(shifted_loss_tokens(s) for s in group)
+
+
+def test_the_row_equals_hugging_faces_flattening_collator():
+    flatten = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    group = samples()
+    ours, theirs = packed_collate(group), flatten([{k: v.tolist() for k, v in s.items()} for s in group])
+    assert set(ours) == set(theirs)
+    for key, value in theirs.items():
+        assert torch.equal(torch.as_tensor(ours[key]), torch.as_tensor(value)), key
+
+
+def test_labels_of_another_length_name_the_sample():
+    with pytest.raises(ValueError, match="sample 1 of the group: 2 labels for 3 input_ids"):
+        packed_collate([{"input_ids": [1]}, {"input_ids": [1, 2, 3], "labels": [1, 2]}])
+
+
+def separated(model: torch.nn.Module) -> bool:
+    """Whether the packed row's logits equal those of the sequences alone (forward only)."""
+    group = samples()[:3]
+    batch = packed_collate(group)
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
+        alone = torch.cat([model(input_ids=s["input_ids"][None]).logits[0] for s in group])
+    return bool((packed - alone).abs().max() < 1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_the_check_accepts_exactly_the_cpu_combinations_that_keep_sequences_apart(family, impl, use_cache):
+    model = tiny_model(family, impl)
+    model.config.use_cache = use_cache
+    keeps_apart = separated(model)
+    assert keeps_apart == (not use_cache)  # the cache switches transformers' per-sequence mask off
+    if keeps_apart:
+        assert check_packed_attention(model) == impl
+    else:
+        with pytest.raises(PackedAttentionError, match=f"{type(model).__name__}.*{impl}.*use_cache") as err:
+            check_packed_attention(model)
+        assert (err.value.model_class, err.value.attn_implementation) == (type(model).__name__, impl)
+        assert isinstance(err.value, ODBError)
+
+
+def test_flash_attention_is_accepted_whatever_the_cache():
+    """Flash kernels read the boundaries from cu_seq_lens / position_ids (read from the code:
+    transformers.modeling_flash_attention_utils; no GPU here to run them)."""
+    model = tiny_model("llama", "sdpa")
+    model.config.use_cache = True
+    model.config._attn_implementation = "flash_attention_2"
+    assert check_packed_attention(model) == "flash_attention_2"
+
+
+def test_a_model_that_builds_its_own_mask_is_refused():
+    """A transformers model whose modeling code does not use create_causal_mask (here one
+    defined in this module) keeps a causal mask over the whole row: refused, and it does mix."""
+
+    class OwnMask(transformers.LlamaForCausalLM):
+        def forward(self, input_ids=None, position_ids=None, **kw):
+            mask = torch.ones_like(input_ids)  # what a model building its own 2D mask passes on
+            return super().forward(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, **kw)
+
+    model = tiny_model("llama", "sdpa")
+    for module in model.modules():  # every configured module's code now lives in this test module
+        if getattr(module, "config", None) is not None and module is not model:
+            module.__class__ = type(f"Own{type(module).__name__}", (type(module),), {})
+    model.__class__ = OwnMask
+    assert not separated(model)
+    with pytest.raises(PackedAttentionError, match="OwnMask.*create_causal_mask"):
+        check_packed_attention(model)
+
+
+def test_an_unknown_attention_implementation_is_refused_and_a_plain_module_is_the_callers():
+    model = tiny_model("qwen2", "sdpa")
+    model.config._attn_implementation = "my_kernel"
+    with pytest.raises(PackedAttentionError, match="Qwen2ForCausalLM.*'my_kernel'"):
+        check_packed_attention(model)
+    assert check_packed_attention(torch.nn.Embedding(VOCAB, 4)) is None
+
+
+def test_other_fields_are_collated_and_a_carried_mask_is_left_out():
+    batch = packed_collate([{"input_ids": [1, 2], "attention_mask": [1, 1], "idx": 4},
+                            {"input_ids": [3], "attention_mask": [1], "idx": 2}])
+    assert batch["idx"].tolist() == [4, 2] and "attention_mask" not in batch
