@@ -74,13 +74,13 @@ class ODBDataLoader:
         regroup_padding: hold back groups padded above this fraction for one round to
             regroup with the next arrivals (default 0.02; None: off;
             ``ODBConfig.regroup_padding``).
+        budget: ``"padded"`` (default: max length x group size <= token_budget) or
+            ``"packed"`` (sum of lengths <= token_budget; pair it with
+            :func:`~odb_torch.padding_free.packed_collate`, ``docs/packing.md``).
         init_method: rendezvous of the collate group (default ``tcp://MASTER_ADDR:
             MASTER_PORT+1``, or a free local port when alone; env ``ODB_COLLATE_PORT``).
         timeout: seconds before a silent collate process or peer is an error.
         start_method: how the collate process starts: ``"auto"`` (default): ``fork`` on
-        budget: ``"padded"`` (default: max length x group size <= token_budget) or
-            ``"packed"`` (sum of lengths <= token_budget; pair it with
-            :func:`~odb_torch.padding_free.packed_collate`, ``docs/packing.md``).
             Linux, as a plain DataLoader starts its workers (nothing pickled, the script
             never re-run: notebooks, ``python - < script`` and scripts without a main guard
             work; the collate process never touches CUDA), else ``spawn``; or ``"spawn"``,
@@ -118,13 +118,13 @@ class ODBDataLoader:
         skip_idle: bool = False,
         shuffle_steps: bool = CONFIG_DEFAULT,
         regroup_padding: float | None = CONFIG_DEFAULT,
+        budget: BudgetName = CONFIG_DEFAULT,
         init_method: str | None = None,
         timeout: float = 300.0,
         start_method: StartMethod = "auto",
         worker_start_method: Literal["fork", "spawn", "forkserver"] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
-        budget: BudgetName = CONFIG_DEFAULT,
         queue_size: int = 8,
     ) -> None:
         self.config = protocol_config(config, token_budget, dict(
