@@ -421,8 +421,9 @@ def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any) -> None:
     this process), so here SIGINT is ignored rather than a second traceback. A forked
     child inherits the trainer's Python signal handlers (a framework's SIGTERM handler
     that only sets a flag, torch's SIGCHLD handler for the trainer's own DataLoader
-    workers): SIGTERM and SIGCHLD go back to their defaults, so ``terminate()`` ends it."""
+    workers): SIGTERM and SIGCHLD go back to their defaults, so ``terminate()`` ends it.
+    A sampler with a ``server_cls`` (a stream's, :mod:`odb_torch.stream_loading`) names the server."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    CollateServer(spec, sampler, ctrl, out).serve()
+    getattr(sampler, "server_cls", CollateServer)(spec, sampler, ctrl, out).serve()

@@ -24,6 +24,7 @@ from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop
 from odb_torch.process_guard import close_at_exit
 from odb_torch.start_failure import StartMethod, check_spawnable, explain_start_failure, resolve_start_method
 from odb_torch.step_info import StepInfo
+from odb_torch.stream_loading import StreamSampler, check_stream_config, is_stream, stream_resume
 
 SILENCE_GRACE = 2.0
 """The trainer waits ``timeout * SILENCE_GRACE`` for a live but silent collate process, so
@@ -32,7 +33,7 @@ both ``timeout``) report first."""
 
 
 class ODBDataLoader:
-    """Online Dynamic Batching over a map-style dataset, under DDP or alone.
+    """Online Dynamic Batching over a map-style dataset or a stream, under DDP or alone.
 
     Each yielded batch is exactly what ``collate_fn`` returned for one token-budgeted
     group (P3); every rank yields the same number of batches per epoch (P2), idle
@@ -49,7 +50,10 @@ class ODBDataLoader:
     gradient (P7).
 
     Args:
-        dataset: a map-style dataset (picklable: it is sent to the collate process).
+        dataset: a map-style dataset (picklable: it is sent to the collate process), or an
+            ``IterableDataset``: this rank's stream (its shard, e.g. ``split_dataset_by_node``),
+            read in its own order with no ``len()`` (join mode, no sampler; an element's index
+            is its position in the stream; ``set_epoch`` is forwarded to it; README "Streaming").
         token_budget: L_max, padded tokens per batch.
         config: the core's :class:`~odb_core.ODBConfig` instead of the protocol keywords
             (token_budget, buffer_size, depth, mode, loss_scaling, target_policy, seed, shuffle_steps,
@@ -91,6 +95,8 @@ class ODBDataLoader:
             that has touched no CUDA, so forking it is safe and skips re-importing torch
             and re-pickling the dataset per worker; else ``spawn``).
         rank, world_size: default from the initialised process group, else env.
+        idle_sample: streams: a sample whose collated batch is the idle batch of a rank whose
+            stream is empty (it saw no sample to build one from).
     """
 
     driver_cls: type[EpochDriver] = EpochDriver
@@ -126,6 +132,7 @@ class ODBDataLoader:
         rank: int | None = None,
         world_size: int | None = None,
         queue_size: int = 8,
+        idle_sample: Any = None,
     ) -> None:
         self.config = protocol_config(config, token_budget, dict(
             buffer_size=buffer_size, depth=depth, mode=mode, loss_scaling=loss_scaling, target_policy=target_policy,
@@ -134,7 +141,9 @@ class ODBDataLoader:
         rank, world_size = rank_and_world(rank, world_size)
         self.rank, self.world_size = rank, world_size
         init_method = collate_rendezvous(init_method, world_size)
-        self.sampler = sampler if sampler is not None else DistributedSampler(
+        if stream := is_stream(dataset):  # an IterableDataset: odb_torch.stream_loading
+            check_stream_config(self.config, rank, world_size, sampler)
+        self.sampler: Any = StreamSampler(idle_sample) if stream else sampler if sampler is not None else DistributedSampler(
             dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
         self._spec = CollateSpec(
             dataset=dataset, collate_fn=collate_fn or default_collate, length_fn=length_fn,
@@ -217,6 +226,10 @@ class ODBDataLoader:
         """
         if self.config.mode != "join":
             raise NotImplementedError("load_state_dict resumes mid-epoch in join mode only")
+        if isinstance(self.sampler, StreamSampler):  # same world only (ResumeStateError otherwise)
+            self._resume = stream_resume(state, self.rank, self.world_size, self.config.seed)
+            self.epoch = self._resume[0]
+            return
         if isinstance(state, Mapping) and state.get("kind") != "odb-global" and (
                 state.get("world_size") == self.world_size):
             for key, mine in (("rank", self.rank), ("seed", self.config.seed)):

@@ -1,0 +1,213 @@
+"""``ODBDataLoader`` over an ``IterableDataset``: each rank's collate process reads its own stream.
+
+Each rank iterates its own stream (its shard: ``datasets.distributed.split_dataset_by_node``,
+or a dataset that shards itself by rank). Inside the collate process a plain
+:class:`torch.utils.data.DataLoader` reads it with workers, sharded across them as torch and
+``datasets`` define it (``get_worker_info``; a ``datasets`` stream deals its ``n_shards``
+over the workers); the stream is the DataLoader's output order (torch's round robin over the
+workers: deterministic for a deterministic dataset), read in chunks of consecutive elements.
+No ``len()`` is needed: the core's driver (``EpochDriver(stream=True)``) fetches stream
+positions, this module reads them in order and reports the end when a read finds the stream
+exhausted; every protocol decision stays the driver's (P1-P6). An element's identity, in
+``step_info.indices`` and ``state_dict``, is its position in this rank's stream (with the rank,
+it names the element). Resume re-reads the stream and passes over the positions consumed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset
+
+from odb_core import ODBConfig
+from odb_core.epoch import Delivery, EpochDriver, LoopEnd
+from odb_core.errors import CollateProcessError, ODBError, ResumeStateError, SampleLoadError, UnsupportedSettingError
+from odb_torch.collate_process import MAX_CHUNK, CollateServer, CollateSpec
+from odb_torch.messages import EpochEnd, StartEpoch
+from odb_torch.process_guard import DieWithParent
+from odb_torch.sample_packing import PackedChunk, Packer, describe_exception, pack, unpack
+
+STREAM_CHUNK = 32
+"""Consecutive elements a DataLoader worker reads and ships as one packed chunk."""
+
+
+@dataclass(frozen=True)
+class StreamSampler:
+    """The loader's ``sampler`` over a stream: the order is the stream's own; the collate process
+    it is handed to serves the stream (``server_cls``)."""
+
+    idle_sample: Any = None
+    """A sample whose collated batch is the idle batch of a rank that never saw one (an empty stream)."""
+
+
+def is_stream(dataset: Any) -> bool:
+    """The dataset is read as a stream (a torch ``IterableDataset``, ``datasets`` streaming ones included)."""
+    return isinstance(dataset, IterableDataset)
+
+
+def check_stream_config(config: ODBConfig, rank: int, world: int, sampler: Any) -> None:
+    """Refuse what cannot hold over a stream, before any process starts: non-join (the quota N is
+    unknown; the core's verdict) and a sampler (a stream has no indices to sample):
+    :class:`~odb_core.errors.UnsupportedSettingError` naming ``mode`` or ``sampler``."""
+    if sampler is not None:
+        raise UnsupportedSettingError(f"rank {rank}: sampler= with an IterableDataset: a stream is read in its own "
+                                      "order; shard it per rank (datasets.distributed.split_dataset_by_node)",
+                                      field="sampler", rank=rank)
+    EpochDriver(config, rank, world, quota=0, stream=True)
+
+
+def stream_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], rank: int, world: int,
+                  seed: int) -> tuple[int, list[int], int]:
+    """(epoch, consumed stream positions, steps) of this rank's stream ``state_dict``.
+
+    A stream resumes on the same ranks only: each rank's stream is its shard at W, and at another W
+    the shards differ, so one rank's consumed positions say nothing about another's elements
+    (:class:`ResumeStateError`, field ``world_size``; resume such a run at an epoch boundary)."""
+    if not isinstance(state, Mapping) or state.get("kind") == "odb-global" or state.get("world_size") != world:
+        got = state.get("world_size") if isinstance(state, Mapping) else f"{len(state)} states"
+        raise ResumeStateError(
+            f"rank {rank}: a stream checkpoint resumes on the world size it was taken on (got {got}, this run has "
+            f"{world}): each rank's stream is its shard of the data at that world size, and the shards at another "
+            "one hold other elements; resume on the same number of ranks, or at an epoch boundary",
+            field="world_size", rank=rank)
+    for key, mine in (("rank", rank), ("seed", seed)):
+        if state.get(key) != mine:
+            raise ResumeStateError(f"rank {rank}: stream state_dict {key}={state.get(key)!r} does not match this "
+                                   f"loader's {mine!r}", field=key, rank=rank)
+    return int(state["epoch"]), [int(p) for p in state["consumed"]], int(state["steps"])
+
+
+class StreamReader:
+    """This rank's stream in order: :meth:`read` returns the element at a stream position
+    (positions passed over are discarded: a resume's consumed ones), or None past the end."""
+
+    def __init__(self, spec: CollateSpec) -> None:
+        workers, self.rank, self.timeout = spec.num_workers, spec.rank, spec.timeout
+        loader = DataLoader(
+            spec.dataset, batch_size=max(1, min(STREAM_CHUNK, MAX_CHUNK)), collate_fn=pack, num_workers=workers,
+            prefetch_factor=spec.prefetch_factor if workers else None,
+            multiprocessing_context=spec.worker_start_method if workers else None,
+            worker_init_fn=DieWithParent(os.getpid()) if workers else None, timeout=spec.timeout if workers else 0)
+        self._it: Any = iter(loader)
+        self._buffer: deque[Any] = deque()
+        self.position = 0  # the stream position of self._buffer[0]
+        self.count: int | None = None  # the stream's length, once a read found its end
+
+    def read(self, s: int) -> Any:
+        """The element at stream position ``s`` (increasing across calls), or None past the end."""
+        while self.count is None and (self.position + len(self._buffer) <= s):
+            self._refill(s)
+        while self._buffer and self.position < s:
+            self._buffer.popleft()
+            self.position += 1
+        if not self._buffer:
+            return None
+        self.position += 1
+        return self._buffer.popleft()
+
+    def _refill(self, s: int) -> None:
+        try:
+            chunk: PackedChunk = next(self._it)
+        except StopIteration:
+            self.count = self.position + len(self._buffer)
+            self.close()
+            return
+        except Exception as exc:
+            raise SampleLoadError(f"rank {self.rank}: reading stream position {s} failed: "
+                                  f"{describe_exception(exc)}", rank=self.rank, indices=(s,)) from None
+        self._buffer.extend(unpack(chunk))
+
+    def close(self) -> None:
+        """Release the DataLoader iterator (its workers shut down)."""
+        self._it = iter(())
+
+
+class StreamServer(CollateServer):
+    """A rank's collate process over a stream: :class:`CollateServer` with the stream's reads."""
+
+    def __init__(self, spec: CollateSpec, options: StreamSampler, ctrl: Any, out: Any) -> None:
+        super().__init__(spec, options, ctrl, out)
+        self.options = options
+        self._packer = Packer(spec.rank, spec.length_fn, spec.loss_tokens_fn)
+        self._reader: StreamReader | None = None
+
+    def run_epoch(self, cmd: StartEpoch) -> None:
+        """Drive one epoch of the driver over this rank's stream (``set_epoch`` forwarded to it)."""
+        spec = self.spec
+        driver = spec.driver_cls(spec.config, spec.rank, spec.world, cmd.epoch, skip=cmd.skip,
+                                 first_step=cmd.first_step, skip_idle=spec.skip_idle,
+                                 trace=[] if self.trace_dir else None, stream=True)
+        self._driver = driver
+        self._open_trace(cmd)
+        try:
+            driver.check_hello(self._gather(driver.hello({"stream": True, "first_step": cmd.first_step}),
+                                            "handshake"))
+            ended = self._stream_rounds(driver)
+        finally:
+            self._flush_trace(driver)
+            self._close_reader()
+        if not ended:
+            self._put(EpochEnd(cmd.epoch))
+
+    def _stream_rounds(self, driver: EpochDriver) -> bool:
+        ended = False
+        samples: dict[int, Any] = {}
+        while not driver.done:
+            if driver.sampler_epoch is not None:
+                if hasattr(self.spec.dataset, "set_epoch"):
+                    self.spec.dataset.set_epoch(driver.epoch)
+                driver.start_iteration(())
+                self._close_reader()
+                self._reader = StreamReader(self.spec)
+                self._template = None
+                continue
+            self._read(driver, samples)
+            plan = driver.on_headers(self._gather(driver.begin_round(), "header"))
+            if plan.step_vector is not None:
+                for item in driver.on_steps(self._gather(plan.step_vector, "step")):
+                    ended = self._deliver(driver, item, samples) or ended
+            self._flush_trace(driver)
+        return ended
+
+    def _read(self, driver: EpochDriver, samples: dict[int, Any]) -> None:
+        """Read every position the driver fetches; a read past the end reports it (P4)."""
+        reader = self._reader
+        assert reader is not None
+        fetched = driver.fetch()
+        for pos, s in zip(fetched, driver.stream_positions(fetched)):
+            sample = reader.read(s)
+            if sample is None:
+                assert reader.count is not None
+                driver.end_stream(reader.count)
+                return
+            length, tokens = self._packer.measure(sample, s)
+            driver.arrive(pos, length, tokens)
+            samples[pos] = sample
+            if self._template is None:
+                self._template = sample
+
+    def _deliver(self, driver: EpochDriver, item: Delivery | LoopEnd, samples: dict[int, Any]) -> bool:
+        if isinstance(item, Delivery) and item.step.is_idle and self._template is None:
+            if self.options.idle_sample is None:
+                raise CollateProcessError(
+                    f"rank {self.spec.rank}: this rank's stream gave no element to build its idle batches from "
+                    "(an empty stream): pass ODBDataLoader(idle_sample=...), a sample whose collated batch is "
+                    "the idle batch (its loss is scaled by 0)", rank=self.spec.rank)
+            self._template = self.options.idle_sample
+        return super()._deliver(driver, item, samples)
+
+    def _as_error(self, exc: BaseException) -> ODBError:
+        self._close_reader()
+        return super()._as_error(exc)
+
+    def _close_reader(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+
+StreamSampler.server_cls = StreamServer  # type: ignore[attr-defined]

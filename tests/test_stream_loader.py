@@ -1,0 +1,109 @@
+"""ODBDataLoader over streams, on real Gloo ranks: local JSONL and Parquet files streamed with
+Hugging Face ``datasets`` (``streaming=True``, no hub), sharded with ``split_dataset_by_node``
+(whole files when the file count divides W, else the per-example path), tokenized in the
+pipeline, and a plain ``IterableDataset`` generator with an empty stream on one rank.
+
+Each run asserts, over every element: every rank yields the same number of steps, every
+element of every rank's stream is yielded exactly once (audit by the records' ids), each
+rank yields only its own shard, and every batch of >= 2 samples fits the token budget.
+A resumed run (``state_dict`` mid-epoch, ``load_state_dict`` on a new loader) must together
+with the run it continues yield every element exactly once. No process or /dev/shm entry
+may be left behind (``run_ranks``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from stream_support import BUDGET, stream_rank_main, write_files
+from test_torch_loader import run_ranks
+
+from odb_core import ODBConfig
+from odb_core.errors import ResumeStateError, UnsupportedSettingError
+from odb_torch import ODBDataLoader
+from odb_torch.ports import free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def audit(results: list[dict[str, Any]], name: str, total: int) -> list[list[dict[str, Any]]]:
+    """Equal steps on every rank; every record 0..total-1 yielded exactly once over all ranks (across
+    a resume: the shards partition the records, so each rank yielded its own stream once); budget."""
+    for res in results:
+        assert "error" not in res, res.get("error")
+    runs = [res["runs"][name] for res in results]
+    steps = [run["steps"] + run.get("resumed", []) for run in runs]
+    assert len({len(s) for s in steps}) == 1, f"{name}: ranks yielded {[len(s) for s in steps]} steps"
+    got = Counter(i for rank_steps in steps for s in rank_steps for i in s["ids"])
+    assert got == Counter(range(total)), f"{name}: not every record exactly once " \
+                                         f"(missing {sorted(set(range(total)) - set(got))[:5]}, " \
+                                         f"twice {[i for i, c in got.items() if c > 1][:5]})"
+    for rank_steps in steps:
+        assert [s["step"] for s in rank_steps] == list(range(len(rank_steps)))
+        assert len({p for s in rank_steps for p in s["positions"]}) == sum(len(s["ids"]) for s in rank_steps)
+        for s in rank_steps:
+            assert s["over"] or len(s["ids"]) < 2 or s["tokens"] <= BUDGET
+    return steps
+
+
+def test_streams_at_w2_jsonl_parquet_generator_and_resume_every_element_once(tmp_path: Path) -> None:
+    """W=2: JSONL (4 uneven files: whole files per rank, 2 workers), Parquet (3 files: the
+    per-example path; checkpoint after 3 steps, resumed by a new loader), and a generator whose
+    rank 1 stream is empty (idle batches from ``idle_sample``; ``set_epoch`` reaches the stream)."""
+    jsonl_sizes, parquet_sizes = [70, 3, 45, 0], [31, 40, 6]
+    (tmp_path / "j").mkdir()
+    (tmp_path / "p").mkdir()
+    jsonl = write_files(tmp_path / "j", "jsonl", jsonl_sizes)
+    parquet = write_files(tmp_path / "p", "parquet", parquet_sizes)
+    gen_ids = [list(range(57)), []]
+    idle = {"input_ids": [1], "labels": [1], "id": -1}
+    task = {"port": free_port(6), "runs": [
+        {"name": "jsonl", "source": "jsonl", "files": jsonl, "workers": 2},
+        {"name": "parquet", "source": "parquet", "files": parquet, "resume_after": 3},
+        {"name": "generator", "source": "generator", "ids": gen_ids, "idle_sample": idle, "workers": 2, "epoch": 5},
+    ]}
+    results = run_ranks(2, task, tmp_path, target=stream_rank_main, timeout=150)
+    audit(results, "jsonl", sum(jsonl_sizes))
+    audit(results, "parquet", sum(parquet_sizes))
+    gen = audit(results, "generator", 57)
+    assert all(s["idle"] for s in gen[1]) and gen[1], "the empty stream's rank yields idle steps in lockstep"
+    assert {e for s in gen[0] for e in s["epoch"]} == {5}, "set_epoch was not forwarded to the stream"
+    states = [res["runs"]["parquet"]["state"] for res in results]
+    held = [set(range(max(st["consumed"], default=-1) + 1)) - set(st["consumed"]) for st in states]
+    assert any(held), "the checkpoint held no element read but not yet yielded (nothing to re-deliver)"
+
+
+def test_streams_at_w3_jsonl_per_example_split_with_workers(tmp_path: Path) -> None:
+    """W=3: 5 uneven JSONL files (5 % 3 != 0: every third record per rank, one rank's stream
+    one record longer than another's), 2 workers per rank, tokenized in the pipeline."""
+    sizes = [44, 2, 19, 0, 24]
+    files = write_files(tmp_path, "jsonl", sizes)
+    task = {"port": free_port(2), "runs": [{"name": "jsonl", "source": "jsonl", "files": files, "workers": 2}]}
+    results = run_ranks(3, task, tmp_path, target=stream_rank_main, timeout=150)
+    audit(results, "jsonl", sum(sizes))
+
+
+class _Empty(__import__("torch").utils.data.IterableDataset):  # type: ignore[misc]
+    def __iter__(self) -> Any:
+        return iter(())
+
+
+def test_a_stream_refuses_non_join_a_sampler_and_a_resume_on_another_world_size() -> None:
+    """Non-join needs the quota N (unknown for a stream) and a sampler has nothing to sample:
+    both refused at construction; a stream checkpoint taken at W=3 is refused at W=2."""
+    with pytest.raises(UnsupportedSettingError) as info:
+        ODBDataLoader(_Empty(), token_budget=64, mode="non-join", rank=0, world_size=2)
+    assert info.value.field == "mode"
+    with pytest.raises(UnsupportedSettingError) as info:
+        ODBDataLoader(_Empty(), token_budget=64, sampler=[0, 1], rank=0, world_size=2)
+    assert info.value.field == "sampler"
+    loader = ODBDataLoader(_Empty(), config=ODBConfig(token_budget=64), rank=1, world_size=2)
+    state = {"epoch": 0, "steps": 4, "consumed": [0, 2], "rank": 1, "world_size": 3, "seed": 0}
+    with pytest.raises(ResumeStateError, match="world size") as err:
+        loader.load_state_dict(state)
+    assert err.value.field == "world_size" and err.value.rank == 1
+    loader.load_state_dict({**state, "world_size": 2})
+    assert loader.epoch == 0
