@@ -2,8 +2,8 @@
 
 ``odb simulate`` drives the in-process simulator of :mod:`odb_core`; ``odb check``
 runs the model checks of :mod:`model_checks`. Neither imports torch. ``odb demo``,
-``odb bench batching`` and ``odb profile`` run :mod:`odb_tools.demo`,
-:mod:`odb_tools.bench_batching` and :mod:`odb_tools.profile`. Each subcommand imports
+``odb bench batching``, ``odb profile`` and ``odb tune`` run :mod:`odb_tools.demo`,
+:mod:`odb_tools.bench_batching`, :mod:`odb_tools.profile` and :mod:`odb_tools.tune`. Each subcommand imports
 what it runs only when it runs.
 """
 
@@ -266,6 +266,51 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile(sub)
     return parser
 
+def _add_tune(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("tune", help="the largest token budget L_max whose worst batch shapes fit a memory limit")
+    p.add_argument("--model", required=True,
+                   help="a transformers config JSON, a transformers model type (llama, qwen2, ...) or module:callable")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override (model type / JSON) or a keyword of the callable; repeatable")
+    p.add_argument("--memory", required=True, help="the memory limit: peak RSS on CPU, peak allocated on GPU (24GiB, 800MB)")
+    p.add_argument("--max-length", type=int, required=True, help="the cut-off: the longest sample, in tokens")
+    p.add_argument("--budget", choices=("padded", "packed"), default="padded", help="ODBConfig.budget (default padded)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when available")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--optimizer", choices=("none", "sgd", "adamw"), default="adamw",
+                   help="the optimizer whose state is resident during the step (default adamw)")
+    p.add_argument("--step", type=int, default=128, help="budgets are multiples of this (default 128)")
+    p.add_argument("--start", type=int, default=None, help="the first budget tried (default: --step)")
+    p.add_argument("--max-budget", type=int, default=1 << 20)
+    p.add_argument("--max-shapes", type=int, default=8, help="padded shapes measured per budget (0: the whole frontier)")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="model.gradient_checkpointing_enable() first")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_tune)
+
+
+def _tune(args: argparse.Namespace) -> int:
+    import torch
+
+    from odb_tools.tune import markdown, parse_bytes, tune
+    from odb_tools.tune.model import build_model, parse_overrides
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    try:
+        model = build_model(args.model, parse_overrides(args.set)).to(device=device, dtype=getattr(torch, args.dtype))
+        limit = parse_bytes(args.memory)
+    except ValueError as exc:
+        raise SystemExit(f"odb tune: {exc}") from None
+    if args.gradient_checkpointing:
+        if not hasattr(model, "gradient_checkpointing_enable"):
+            raise SystemExit("odb tune: --gradient-checkpointing needs a transformers model")
+        getattr(model, "gradient_checkpointing_enable")()  # noqa: B009 - not every nn.Module has it
+    model.train()
+    result = tune(model, limit, args.max_length, budget=args.budget, device=device, step=args.step, start=args.start,
+                  max_budget=args.max_budget, optimizer=args.optimizer, max_shapes=args.max_shapes or None)
+    print(json.dumps(result) if args.json else markdown(result))
+    return 0 if result["token_budget"] else 1
+
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``odb`` console script."""
@@ -275,3 +320,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+    _add_tune(sub)

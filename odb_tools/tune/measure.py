@@ -1,0 +1,127 @@
+"""Peak memory of one training step (forward + backward, then the optimizer's step) on one shape.
+
+* CPU: the step runs in a child forked from the process holding the built model; the figure
+  is the parent's RSS plus the child's growth during the step (its ``VmHWM`` less its RSS
+  at the start, the high-water mark reset through ``/proc/self/clear_refs``). The child first
+  runs the step on one token, so code pages the parent already holds (a forked child's RSS
+  counts only the pages it touches) are not counted twice. Each measurement starts from
+  the same state, unpolluted by earlier ones; it runs on one thread (a forked process cannot
+  use the parent's OpenMP pool), which changes no tensor's size. A child killed
+  (out of memory) or raising counts as not fitting, with the reason.
+* GPU: in process, ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``;
+  ``torch.cuda.OutOfMemoryError`` counts as not fitting.
+
+With an optimizer, the step runs twice so the second runs with its state resident (AdamW:
+two tensors per parameter), as every step after the first does in training.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import signal
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from odb_tools.tune.model import call_loss
+from odb_tools.tune.shapes import Shape
+
+OPTIMIZERS = ("none", "sgd", "adamw")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One shape's peak (bytes; None when it failed) and the failure, if any."""
+
+    shape: Shape
+    peak: int | None
+    error: str | None = None
+
+
+def train_step(model: nn.Module, shape: Shape, vocab_size: int, device: str, optimizer: str) -> None:
+    """Forward + backward on ``shape`` (twice, each followed by a step, with an optimizer)."""
+    batch = shape.tensors(vocab_size, device)
+    opt: torch.optim.Optimizer | None = None
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    elif optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    for _ in range(1 if opt is None else 2):
+        call_loss(model, batch).backward()  # type: ignore[no-untyped-call]
+        if opt is not None:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+
+
+def measure_cpu(model: nn.Module, shape: Shape, vocab_size: int, optimizer: str = "none") -> Measurement:
+    """This process's RSS plus the growth of a forked child that runs :func:`train_step` (Linux)."""
+    parent = baseline_bytes("cpu")
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: measure, report, exit without running the parent's cleanup
+        os.close(read_fd)
+        try:
+            torch.set_num_threads(1)  # the parent's OpenMP pool did not survive the fork (using it hangs)
+            train_step(model, Shape(shape.kind, 1, 1, shape.cutoff), vocab_size, "cpu", optimizer)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # the high-water mark restarts at the current RSS
+            start = baseline_bytes("cpu")
+            train_step(model, shape, vocab_size, "cpu", optimizer)
+            report: dict[str, int | str] = {"peak": parent + max(_vm_hwm() - start, 0)}
+        except BaseException as exc:  # any failure is this shape's result
+            report = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        os.write(write_fd, json.dumps(report).encode())
+        os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as f:
+        raw = f.read()
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return Measurement(shape, None, f"child killed by {signal.Signals(sig).name} (out of memory?)")
+    got = json.loads(raw or b'{"error": "child exited without a report"}')
+    return Measurement(shape, got.get("peak"), got.get("error"))
+
+
+def measure_cuda(model: nn.Module, shape: Shape, vocab_size: int, optimizer: str = "none") -> Measurement:
+    """``torch.cuda.max_memory_allocated`` over :func:`train_step` on the model's device."""
+    device = str(next(model.parameters()).device)
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        train_step(model, shape, vocab_size, device, optimizer)
+        torch.cuda.synchronize()
+        return Measurement(shape, int(torch.cuda.max_memory_allocated()))
+    except torch.cuda.OutOfMemoryError as exc:
+        return Measurement(shape, None, f"OutOfMemoryError: {str(exc)[:200]}")
+    finally:
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _vm_hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def warm_up(model: nn.Module, vocab_size: int, device: str, optimizer: str) -> None:
+    """One step on one token, so the process's baseline holds the code pages a step touches."""
+    train_step(model, Shape("padded", 1, 1, 1), vocab_size, device, optimizer)
+
+
+def baseline_bytes(device: str) -> int:
+    """What is held before any step: this process's RSS (CPU) or allocated bytes (GPU)."""
+    if device == "cpu":
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return int(torch.cuda.memory_allocated())

@@ -1,0 +1,84 @@
+"""The model ``odb tune`` measures: built from a spec, fed a batch, reduced to a loss.
+
+A spec is one of:
+
+* a path to a ``transformers`` config JSON (``config.json`` of a checkpoint; no weights read);
+* a ``transformers`` model-type name (``llama``, ``qwen2``, ...) with ``overrides``
+  (``hidden_size=896`` ...) passed to ``AutoConfig.for_model``;
+* ``module:callable``: a callable of no arguments returning a ``torch.nn.Module``.
+
+Weights are randomly initialised: memory does not depend on their values.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ModelSpec = str | Callable[[], nn.Module]
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["hidden_size=64", "tie_word_embeddings=false"]`` -> values parsed as JSON where they parse."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} is not key=value")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def build_model(spec: ModelSpec, overrides: Mapping[str, Any] | None = None) -> nn.Module:
+    """The model of ``spec`` (see the module docstring); ``ValueError`` names a spec it cannot read."""
+    if callable(spec):
+        return _checked(spec(), repr(spec))
+    if ":" in spec and not Path(spec).exists():
+        module, _, name = spec.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"model {spec!r}: cannot import {name!r} from {module!r}: {exc}") from None
+        return _checked(factory(**dict(overrides or {})), spec)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if Path(spec).is_file():
+        data = {**json.loads(Path(spec).read_text()), **dict(overrides or {})}
+        if "model_type" not in data:
+            raise ValueError(f"model {spec!r}: the config JSON has no 'model_type'")
+        config = AutoConfig.for_model(**data)
+    else:
+        try:
+            config = AutoConfig.for_model(spec, **dict(overrides or {}))
+        except ValueError as exc:
+            raise ValueError(f"model {spec!r} is neither a file, module:callable nor a transformers model type: {exc}") from None
+    return _checked(AutoModelForCausalLM.from_config(config), spec)  # type: ignore[no-untyped-call]
+
+
+def _checked(model: object, what: str) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model {what}: built a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def call_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The scalar loss of ``model(**batch)``: keys the forward does not take are left out
+    (unless it takes ``**kwargs``); the output's ``.loss``, first element, or itself, summed."""
+    params = inspect.signature(model.forward).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        batch = {k: v for k, v in batch.items() if k in params}
+    out: Any = model(**batch)
+    loss = out.loss if hasattr(out, "loss") else out[0] if isinstance(out, tuple | list) else out
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(f"the model returned no loss tensor (got {type(loss).__name__})")
+    return loss.float().sum()

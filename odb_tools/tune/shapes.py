@@ -1,0 +1,83 @@
+"""The worst batch shapes a token budget admits (P3), and the tensors of each.
+
+Under either budget a sample longer than L_max travels alone, so ``[1, C]`` (one sample
+at the cut-off length C) is always admitted. Beyond it:
+
+* ``padded`` (max_len x size <= L_max): the B(l) groups ``[B(l), l]``, B(l) = max(floor(L_max/l), 1),
+  l <= C. For each batch size b only the longest l with B(l) = b matters (memory grows with
+  both dimensions), so the candidates are the frontier l in {floor(L_max/b)} capped at C:
+  about 2 sqrt(L_max) shapes. Which is worst depends on the model (attention grows with l,
+  logits and activations with b x l, which is L_max only when l divides it), so they are measured.
+* ``packed`` (sum of lengths <= L_max): one row ``[1, L_max]`` of sequences of C tokens,
+  ``position_ids`` restarting at each (the last one shorter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, order=True)
+class Shape:
+    """``batch`` rows of ``length`` tokens; ``kind`` is ``single``, ``padded`` or ``packed``."""
+
+    kind: str
+    batch: int
+    length: int
+    cutoff: int
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.length
+
+    def label(self) -> str:
+        return f"{self.kind} [{self.batch}, {self.length}]"
+
+    def tensors(self, vocab_size: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Inputs of this shape: every token a loss token. A padded group of >= 2 rows carries an
+        ``attention_mask`` with one padding position (as a real padded batch does); a packed row
+        carries ``position_ids`` restarting every ``cutoff`` tokens and no mask."""
+        g = torch.Generator().manual_seed(self.tokens)
+        ids = torch.randint(2, max(vocab_size, 3), (self.batch, self.length), generator=g).to(device)
+        batch = {"input_ids": ids, "labels": ids.clone()}
+        if self.kind == "padded" and self.batch >= 2:
+            mask = torch.ones_like(ids)
+            mask[-1, -1] = 0
+            batch["labels"][-1, -1] = -100
+            batch["attention_mask"] = mask
+        if self.kind == "packed":
+            pos = torch.arange(self.length, device=ids.device) % max(self.cutoff, 1)
+            batch["position_ids"] = pos.unsqueeze(0)
+        return batch
+
+
+def padded_frontier(token_budget: int, cutoff: int) -> list[Shape]:
+    """Every frontier ``[B(l), l]`` of the padded budget with l <= ``cutoff``, longest l first."""
+    lengths = set()
+    b = 1
+    while b <= token_budget:
+        q = token_budget // b
+        lengths.add(min(q, cutoff))
+        b = token_budget // q + 1
+    return [Shape("padded", max(token_budget // ln, 1), ln, cutoff) for ln in sorted(lengths, reverse=True)]
+
+
+def worst_shapes(budget: str, token_budget: int, cutoff: int, max_shapes: int | None = 8) -> list[Shape]:
+    """The shapes to measure for ``token_budget``, likely worst first: the lone sample at the
+    cut-off when it exceeds L_max; then the packed row, or the padded frontier: all of it when
+    ``max_shapes`` is None or it is no longer, else its longest l, its most tokens (longest
+    l first among equals) and its most rows ([L_max, 1])."""
+    if budget not in ("padded", "packed"):
+        raise ValueError(f"unknown budget {budget!r} (padded or packed)")
+    if token_budget < 1 or cutoff < 1:
+        raise ValueError(f"token budget and cut-off must be >= 1, got {token_budget}, {cutoff}")
+    out = [Shape("single", 1, cutoff, cutoff)] if cutoff > token_budget else []
+    if budget == "packed":
+        return [*out, Shape("packed", 1, token_budget, cutoff)]
+    frontier = padded_frontier(token_budget, cutoff)
+    if max_shapes is None or len(frontier) <= max_shapes:
+        return out + frontier
+    by_tokens = sorted(frontier[1:-1], key=lambda s: (-s.tokens, -s.length))[: max(max_shapes - 2, 0)]
+    return [*out, frontier[0], *by_tokens, frontier[-1]]
