@@ -255,17 +255,6 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``odb`` argument parser with every subcommand."""
-    parser = argparse.ArgumentParser(prog="odb", description="Online Dynamic Batching: tools and demos.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_simulate(sub)
-    _add_check(sub)
-    _add_demo(sub)
-    _add_bench(sub)
-    _add_profile(sub)
-    return parser
-
 def _add_tune(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("tune", help="the largest token budget L_max whose worst batch shapes fit a memory limit")
     p.add_argument("--model", required=True,
@@ -311,6 +300,18 @@ def _tune(args: argparse.Namespace) -> int:
     return 0 if result["token_budget"] else 1
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The ``odb`` argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(prog="odb", description="Online Dynamic Batching: tools and demos.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_simulate(sub)
+    _add_check(sub)
+    _add_demo(sub)
+    _add_bench(sub)
+    _add_profile(sub)
+    _add_tune(sub)
+    return parser
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``odb`` console script."""
@@ -320,4 +321,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-    _add_tune(sub)
