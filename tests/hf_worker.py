@@ -1,6 +1,6 @@
 """ODBTrainer run by the adapter tests (under torchrun, W = 1 or 2): records what it trained.
 
-    torchrun ... tests/hf_worker.py OUT TAG EPOCHS ACCUM SAVE_STEPS STOP_AT RESUME(0|1)
+    torchrun ... tests/hf_worker.py OUT TAG EPOCHS ACCUM SAVE_STEPS STOP_AT RESUME(0|1) [BUDGET]
 
 Writes OUT/TAG_rank{r}.json: every micro-batch trained (update, epoch, indices, padding,
 idle, loss multiplier, local tokens), the LR after every update with the samples seen
@@ -31,7 +31,8 @@ class RecordingTrainer(ODBTrainer):
             self.records.append({"update": self.state.global_step, "epoch": mb.info.epoch,
                                  "indices": list(mb.info.indices), "padding": mb.is_padding,
                                  "idle": mb.info.is_idle, "multiplier": mb.loss_multiplier,
-                                 "local_tokens": mb.info.local_tokens})
+                                 "local_tokens": mb.info.local_tokens, "row": list(inputs["input_ids"].shape),
+                                 "has_positions": "position_ids" in inputs})
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
@@ -50,9 +51,10 @@ class Watch(TrainerCallback):  # type: ignore[misc]
 
 def main() -> None:
     out, tag, epochs, accum, save_steps, stop_at, resume = sys.argv[1:8]
+    budget = sys.argv[8] if len(sys.argv) > 8 else "padded"
     watch = Watch(int(stop_at))
     trainer = make_trainer(str(Path(out) / "run"), float(epochs), int(accum), int(save_steps),
-                           trainer_cls=RecordingTrainer, callbacks=[watch])
+                           trainer_cls=RecordingTrainer, callbacks=[watch], budget=budget)
     trainer.records = []
     watch.trainer = trainer
     result = trainer.train(resume_from_checkpoint=True if resume == "1" else None)

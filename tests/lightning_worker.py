@@ -1,6 +1,6 @@
 """The Lightning guide's fit run by the adapter tests under torchrun (W = 1 or 2).
 
-    torchrun ... tests/lightning_worker.py OUT TAG STOP_AT RESUME(0|1)
+    torchrun ... tests/lightning_worker.py OUT TAG STOP_AT RESUME(0|1) [BUDGET]
 
 Writes OUT/TAG_rank{r}.json: every micro-batch trained (update, epoch, indices, padding,
 idle, multiplier, local tokens), the LR after each update with the samples seen then.
@@ -29,7 +29,8 @@ class RecordingLM(guide.LitLM):
         self.records.append({"update": self.trainer.global_step, "epoch": batch["odb_epoch"],
                              "indices": list(batch["odb_indices"]), "padding": batch["odb_is_padding"],
                              "idle": batch["odb_is_idle"], "multiplier": batch["odb_loss_multiplier"],
-                             "local_tokens": batch["odb_local_tokens"]})
+                             "local_tokens": batch["odb_local_tokens"], "row": list(batch["input_ids"].shape),
+                             "loss_tokens": int((batch["labels"][:, 1:] != -100).sum())})
         return super().training_step(batch, batch_idx)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
@@ -40,7 +41,9 @@ class RecordingLM(guide.LitLM):
 
 def main() -> None:
     out, tag, stop_at, resume = sys.argv[1:5]
-    trainer, module, odb = guide.make(str(Path(out) / "run"), stop_at=int(stop_at), module_cls=RecordingLM)
+    budget = sys.argv[5] if len(sys.argv) > 5 else "padded"
+    trainer, module, odb = guide.make(str(Path(out) / "run"), stop_at=int(stop_at), module_cls=RecordingLM,
+                                      budget=budget)
     ckpt = None
     if resume == "1":
         ckpt = max(glob.glob(os.path.join(out, "run", "ckpt", "*.ckpt")), key=os.path.getmtime)

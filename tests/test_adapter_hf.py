@@ -3,7 +3,8 @@
 Each run records every micro-batch it trained. Checked: exactly-once coverage per epoch
 (P4), also across a crash and a resume from a mid-epoch checkpoint; exact loss weights
 over each accumulation window and every rank (P7); the same number of micro-batches per
-update on every rank (P2); the LR schedule following samples seen; real samples/s.
+update on every rank (P2); the LR schedule following samples seen; real samples/s. The W=1
+run trains under the packed budget (padding-free rows), the W=2 runs under the padded one.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ pytestmark = pytest.mark.timeout(400)
 
 WORKER = Path(__file__).with_name("hf_worker.py")
 N = 96  # TokenDataset size in docs/examples/hf_trainer.py
+BUDGET = 256  # its token budget
 LR, WARMUP = 1e-3, 0.1
 
 
 def run(tmp: Path, tag: str, world: int, epochs: int, accum: int, save_steps: int = 0, stop_at: int = 0,
-        resume: bool = False) -> list[dict[str, Any]]:
+        resume: bool = False, budget: str = "padded") -> list[dict[str, Any]]:
     run_torchrun(WORKER, [str(tmp), tag, str(epochs), str(accum), str(save_steps), str(stop_at),
-                          "1" if resume else "0"], world)
+                          "1" if resume else "0", budget], world)
     return [json.loads((tmp / f"{tag}_rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -46,8 +48,23 @@ def check_lr_follows_samples(ranks: list[dict[str, Any]]) -> None:
     check_linear_lr_by_samples(ranks[0]["lrs"], LR, total, math.ceil(total * WARMUP))
 
 
-def test_hf_trainer_w1_epochs_weights_schedule_throughput(tmp_path):
-    ranks = run(tmp_path, "w1", world=1, epochs=2, accum=2)
+def check_packed_rows(records: list[dict[str, Any]]) -> None:
+    """Each micro-batch one padding-free row with position ids, its real lengths within the
+    packed budget (a lone longer sample aside), some beyond what the padded budget allows."""
+    lengths = TokenDataset(N).length
+    real = [rec for rec in records if not rec["padding"] and not rec["idle"]]
+    for rec in real:
+        assert rec["row"] == [1, sum(lengths(i) for i in rec["indices"])] and rec["has_positions"], rec
+        assert len(rec["indices"]) == 1 or rec["row"][1] <= BUDGET, f"P3 (packed): {rec}"
+    assert any(len(r["indices"]) * max(map(lengths, r["indices"])) > BUDGET for r in real), "nothing packed"
+
+
+def test_hf_trainer_w1_packed_epochs_weights_schedule_throughput(tmp_path):
+    """The packed budget end to end (packed_collate, the attention check, the loss counted over
+    the row equal to the loader's count, else LossTokenMismatchError); the padded path runs in
+    the W=2 test."""
+    ranks = run(tmp_path, "w1", world=1, epochs=2, accum=2, budget="packed")
+    check_packed_rows(ranks[0]["records"])
     per_epoch = trained([r["records"] for r in ranks])
     assert sorted(per_epoch) == [0, 1]
     for epoch, ids in per_epoch.items():

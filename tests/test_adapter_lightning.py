@@ -3,13 +3,14 @@
 A fit checkpoints every 4 updates and stops after update 6 (a crash); a second fit
 resumes from the step-4 checkpoint. Checked: exactly-once coverage per epoch across the
 two (P4), equal micro-batches per update on every rank (P2), exact window weights (P7),
-and the LR following samples seen.
+and the LR following samples seen; W=1 under the padded budget, W=2 the packed one.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,18 +24,36 @@ from torch_support import (  # noqa: E402
     trained,
 )
 
+from odb_tools.demo.synthetic import TokenDataset  # noqa: E402
+
 pytestmark = pytest.mark.timeout(400)
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
 N = 96
+BUDGET = 256  # the guide's token budget
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_lightning_resume_mid_epoch_exactly_once(world, tmp_path):
-    run_torchrun(WORKER, [str(tmp_path), "a", "6", "0"], world)
+def check_packed_rows(records: list[dict[str, Any]]) -> None:
+    """Each real micro-batch one row of its samples' real lengths, within the packed budget
+    (a lone longer sample aside), whose loss tokens are the loader's count (P7); some rows
+    hold more than the padded budget would allow."""
+    lengths = TokenDataset(N).length
+    real = [rec for rec in records if not rec["padding"] and not rec["idle"]]
+    for rec in real:
+        assert rec["row"] == [1, sum(lengths(i) for i in rec["indices"])], rec
+        assert len(rec["indices"]) == 1 or rec["row"][1] <= BUDGET, f"P3 (packed): {rec}"
+        assert rec["loss_tokens"] == rec["local_tokens"], f"P7: row counts {rec['loss_tokens']}, loader {rec}"
+    assert any(len(r["indices"]) * max(map(lengths, r["indices"])) > BUDGET for r in real), "nothing packed"
+
+
+@pytest.mark.parametrize(("world", "budget"), [(1, "padded"), (2, "packed")])
+def test_lightning_resume_mid_epoch_exactly_once(world, budget, tmp_path):
+    """At W=2 under the packed budget (padding-free rows): also each row's loss tokens equal
+    the loader's count (P7's weights), and rows are packed within the budget."""
+    run_torchrun(WORKER, [str(tmp_path), "a", "6", "0", budget], world)
     first = [json.loads((tmp_path / f"a_rank{r}.json").read_text()) for r in range(world)]
     assert first[0]["global_step"] == 6
-    run_torchrun(WORKER, [str(tmp_path), "b", "0", "1"], world)
+    run_torchrun(WORKER, [str(tmp_path), "b", "0", "1", budget], world)
     second = [json.loads((tmp_path / f"b_rank{r}.json").read_text()) for r in range(world)]
     assert second[0]["ckpt"].endswith("step=4.ckpt")
     before = trained([r["records"] for r in first], keep=lambda rec: rec["update"] < 4)
@@ -42,5 +61,7 @@ def test_lightning_resume_mid_epoch_exactly_once(world, tmp_path):
     check_resume_exactly_once(before, after, N)
     check_windows([r["records"] for r in first])
     check_windows([r["records"] for r in second])
+    if budget == "packed":
+        check_packed_rows([rec for r in first + second for rec in r["records"]])
     total = 2 * second[0]["samples_per_epoch"]
     check_linear_lr_by_samples(second[0]["lrs"], 1e-3, total, round(0.1 * total))

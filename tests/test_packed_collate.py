@@ -126,3 +126,31 @@ def test_other_fields_are_collated_and_a_carried_mask_is_left_out():
     batch = packed_collate([{"input_ids": [1, 2], "attention_mask": [1, 1], "idx": 4},
                             {"input_ids": [3], "attention_mask": [1], "idx": 2}])
     assert batch["idx"].tolist() == [4, 2] and "attention_mask" not in batch
+
+
+def refuse_hf(model: torch.nn.Module, tmp: str) -> None:
+    from odb_torch.integrations.hf import ODBTrainer
+
+    args = transformers.TrainingArguments(output_dir=tmp, use_cpu=True, report_to=[], warmup_steps=0.1)
+    ODBTrainer(model=model, args=args, train_dataset=samples(), token_budget=64, odb_kwargs={"budget": "packed"})
+
+
+def refuse_accelerate(model: torch.nn.Module, tmp: str) -> None:
+    from odb_torch.integrations.accelerate import prepare
+
+    prepare(None, model, None, samples(), token_budget=64, budget="packed")  # checked before the accelerator
+
+
+def refuse_lightning(model: torch.nn.Module, tmp: str) -> None:
+    pytest.importorskip("lightning")
+    from odb_torch.integrations.lightning import ODBLightningCallback
+
+    ODBLightningCallback(samples(), token_budget=64, budget="packed").on_fit_start(None, torch.nn.Sequential(model))
+
+
+@pytest.mark.parametrize("start", [refuse_hf, refuse_accelerate, refuse_lightning])
+def test_each_adapter_checks_the_model_before_training_packed_rows(start, tmp_path):
+    model = tiny_model("llama", "sdpa")
+    model.config.use_cache = True
+    with pytest.raises(PackedAttentionError, match="LlamaForCausalLM.*sdpa.*use_cache"):
+        start(model, str(tmp_path))

@@ -20,11 +20,13 @@ from odb_torch.integrations.hf import ODBTrainer
 
 
 def make_trainer(out_dir: str, epochs: float = 2, accum: int = 1, save_steps: int = 0, samples: int = 96,
-                 trainer_cls: type[ODBTrainer] = ODBTrainer, **kwargs: Any) -> ODBTrainer:
+                 trainer_cls: type[ODBTrainer] = ODBTrainer, budget: str = "padded", **kwargs: Any) -> ODBTrainer:
+    """``budget="packed"``: padding-free rows (``packed_collate``); sdpa keeps the sequences
+    apart once the model runs without a cache (``docs/packing.md``)."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                                         max_position_embeddings=256))
+                                         max_position_embeddings=256, use_cache=budget == "padded"))
     args = TrainingArguments(
         output_dir=out_dir, num_train_epochs=epochs, gradient_accumulation_steps=accum,
         learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=0.1,   # warmup: 10% of all samples
@@ -33,7 +35,7 @@ def make_trainer(out_dir: str, epochs: float = 2, accum: int = 1, save_steps: in
         disable_tqdm=True,
     )
     return trainer_cls(model=model, args=args, train_dataset=TokenDataset(samples),
-                       token_budget=256, odb_kwargs={"buffer_size": 32, "timeout": 120}, **kwargs)
+                       token_budget=256, odb_kwargs={"buffer_size": 32, "timeout": 120, "budget": budget}, **kwargs)
 
 
 def main() -> None:
@@ -43,8 +45,9 @@ def main() -> None:
     parser.add_argument("--accum", type=int, default=2, help="gradient accumulation steps")
     parser.add_argument("--save-steps", type=int, default=5)
     parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --out")
+    parser.add_argument("--packed", action="store_true", help="padding-free rows under the packed budget")
     a = parser.parse_args()
-    trainer = make_trainer(a.out, a.epochs, a.accum, a.save_steps)
+    trainer = make_trainer(a.out, a.epochs, a.accum, a.save_steps, budget="packed" if a.packed else "padded")
     result = trainer.train(resume_from_checkpoint=True if a.resume else None)
     if trainer.is_world_process_zero():
         m = result.metrics

@@ -52,11 +52,11 @@ class StopAt(pl.Callback):
             trainer.should_stop = True
 
 
-def make(out_dir: str, epochs: int = 2, accum: int = 2, stop_at: int = 0,
-         module_cls: type[LitLM] = LitLM) -> tuple[pl.Trainer, LitLM, ODBLightningCallback]:
+def make(out_dir: str, epochs: int = 2, accum: int = 2, stop_at: int = 0, module_cls: type[LitLM] = LitLM,
+         budget: str = "padded") -> tuple[pl.Trainer, LitLM, ODBLightningCallback]:
     torch.manual_seed(0)
     odb = ODBLightningCallback(TokenDataset(96), token_budget=256, accumulate_grad_batches=accum,
-                               buffer_size=32, num_workers=1, timeout=120)
+                               buffer_size=32, num_workers=1, timeout=120, budget=budget)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", max_epochs=epochs,
