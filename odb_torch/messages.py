@@ -11,11 +11,12 @@ itself (every :class:`~odb_core.errors.ODBError` pickles with its ``rank`` and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from odb_core.errors import ODBError
+from odb_torch.batch_transfer import PackedBatch, pack_batch, unpack_batch
 from odb_torch.step_info import StepInfo
 
 
@@ -66,9 +67,13 @@ Reply = Batch | EpochEnd | Failure
 
 
 def encode(item: Reply) -> bytes:
-    """Pickle ``item`` as a multiprocessing queue would (tensors by shared memory), but now,
-    in the sender, so a value that cannot be pickled raises here instead of vanishing in
-    the queue's feeder thread. Put the bytes on the queue; :func:`decode` on the other end."""
+    """Pickle ``item`` as a multiprocessing queue would, but now, in the sender, so a value
+    that cannot be pickled raises here instead of vanishing in the queue's feeder thread.
+    A batch's tensors go in one flat buffer (:mod:`odb_torch.batch_transfer`): pickled once,
+    here, by value or as one shared tensor. Put the bytes on the queue; :func:`decode` on
+    the other end."""
+    if isinstance(item, Batch):
+        item = replace(item, batch=pack_batch(item.batch))
     return bytes(ForkingPickler.dumps(item))
 
 
@@ -77,4 +82,6 @@ def decode(payload: bytes) -> Reply:
     item = ForkingPickler.loads(payload)
     if not isinstance(item, (Batch, EpochEnd, Failure)):
         raise TypeError(f"unexpected message {item!r}")
+    if isinstance(item, Batch) and isinstance(item.batch, PackedBatch):
+        return replace(item, batch=unpack_batch(item.batch))
     return item
