@@ -154,3 +154,18 @@ def test_each_adapter_checks_the_model_before_training_packed_rows(start, tmp_pa
     model.config.use_cache = True
     with pytest.raises(PackedAttentionError, match="LlamaForCausalLM.*sdpa.*use_cache"):
         start(model, str(tmp_path))
+
+
+def test_the_budget_keyword_reaches_the_config_through_from_dataloader_and_picks_the_adapters_collate():
+    from torch.utils.data import DataLoader
+
+    from odb_torch import from_dataloader, pad_collate
+    from odb_torch.integrations.accelerate import odb_loader
+    from odb_torch.integrations.lightning import ODBLightningCallback
+
+    loader = from_dataloader(DataLoader(samples(), batch_size=2), token_budget=64, budget="packed", rank=0, world_size=1)
+    assert loader.config.budget == "packed"
+    accelerator = type("Acc", (), {"process_index": 0, "num_processes": 1})()
+    for budget, collate in (("packed", packed_collate), ("padded", pad_collate)):
+        assert odb_loader(accelerator, samples(), token_budget=64, budget=budget)._spec.collate_fn is collate
+        assert ODBLightningCallback(samples(), token_budget=64, budget=budget).loader_kwargs["collate_fn"] is collate

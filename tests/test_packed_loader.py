@@ -1,25 +1,27 @@
 """The loader takes the packed budget through ``config=`` and runs it (W = 1, in process
 order): what it yields is packed by best fit, within the packed budget (P3), every
-sample once (P4). The padding-free collate is a later step; ``pad_collate`` stands in."""
+sample once (P4), each group as one padding-free row (``packed_collate``)."""
 
 from __future__ import annotations
 
 from torch_support import ToyDataset, sample_length
 
 from odb_core import ODBConfig
-from odb_torch import ODBDataLoader, pad_collate
+from odb_torch import ODBDataLoader, packed_collate
 from odb_torch.ports import free_port
 
 
 def test_the_loader_runs_the_packed_budget_from_config():
     config = ODBConfig(token_budget=128, buffer_size=16, budget="packed")
-    loader = ODBDataLoader(ToyDataset(60), config=config, collate_fn=pad_collate, num_workers=0, rank=0,
+    loader = ODBDataLoader(ToyDataset(60), config=config, collate_fn=packed_collate, num_workers=0, rank=0,
                            world_size=1, init_method=f"tcp://127.0.0.1:{free_port(1)}", timeout=60)
     assert loader.config.budget == "packed"
     groups = []
     try:
-        for _ in loader:
+        for batch in loader:
             groups.append([sample_length(i) for i in loader.step_info.indices])
+            assert batch["input_ids"].shape == (1, sum(groups[-1]))
+            assert batch["cu_seq_lens_q"].diff().tolist() == groups[-1]
     finally:
         loader.close()
     assert sorted(n for g in groups for n in g) == sorted(sample_length(i) for i in range(60))
