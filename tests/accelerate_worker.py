@@ -1,10 +1,11 @@
 """The Accelerate guide's loops run by the adapter tests under torchrun (W = 1 or 2).
 
-    torchrun ... tests/accelerate_worker.py OUT lockstep|resume|join
+    torchrun ... tests/accelerate_worker.py OUT lockstep|resume|join [BUDGET]
 
 lockstep: run A checkpoints after update 5 and stops (a crash), run B resumes and finishes
 2 epochs; every micro-batch is recorded, and at A's first update the DDP gradient is
-compared with a single-process per-token-mean gradient over the same samples.
+compared with a single-process per-token-mean gradient over the same batches (the same
+samples re-collated: one padded batch, or under the packed budget each group's row again).
 resume: run B again from A's checkpoint, on another number of ranks (elastic resume).
 join: skip_idle batches under torch Join; every yielded step is recorded.
 Writes OUT/<mode>_rank{r}.json.
@@ -25,18 +26,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "examples"
 import accelerate_loop as guide  # noqa: E402
 
 from odb_tools.demo.synthetic import TokenDataset  # noqa: E402
-from odb_torch import pad_collate  # noqa: E402
+from odb_torch import packed_collate, pad_collate  # noqa: E402
 
 
 def record(micro: Any, update: int, out: list[dict[str, Any]]) -> None:
     out.append({"update": update, "epoch": micro.info.epoch, "indices": list(micro.info.indices),
                 "padding": micro.is_padding, "idle": micro.info.is_idle, "multiplier": micro.loss_multiplier,
-                "local_tokens": micro.info.local_tokens})
+                "local_tokens": micro.info.local_tokens, "row": list(micro.batch["input_ids"].shape)})
 
 
 def main() -> None:
     out, mode = sys.argv[1], sys.argv[2]
-    result: dict[str, Any] = {}
+    budget = sys.argv[3] if len(sys.argv) > 3 else "padded"
+    result: dict[str, Any] = {"budget": budget}
     if mode == "lockstep":
         runs: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
         grad_check: dict[str, float] = {}
@@ -44,32 +46,37 @@ def main() -> None:
         def before_step(model: Any, micro: Any) -> None:
             if grad_check:
                 return
-            mine = [i for rec in runs["a"] if rec["update"] == 0 and not rec["padding"] and not rec["idle"]
-                    for i in rec["indices"]]
+            mine = [rec["indices"] for rec in runs["a"] if rec["update"] == 0 and not rec["padding"]
+                    and not rec["idle"]]
             world = dist.get_world_size() if dist.is_initialized() else 1
             gathered: list[Any] = [None] * world
             if world > 1:
                 dist.all_gather_object(gathered, mine)
             else:
                 gathered = [mine]
-            ids = [i for part in gathered for i in part]
+            groups = [g for part in gathered for g in part]
+            ids = [i for g in groups for i in g]
             inner = model.module if hasattr(model, "module") else model
             ref = copy.deepcopy(inner)
             ref.zero_grad()
-            batch = pad_collate([TokenDataset(96)[i] for i in ids])
-            loss_sum, count = ref(batch["input_ids"], batch["labels"])
-            (loss_sum / count).backward()
+            if budget == "packed":  # a row's attention spans the row in this toy model: rebuild each row
+                rows = [packed_collate([TokenDataset(96)[i] for i in g]) for g in groups]
+            else:
+                rows = [pad_collate([TokenDataset(96)[i] for i in ids])]
+            sums = [ref(b["input_ids"], b["labels"]) for b in rows]
+            (sum(s for s, _ in sums) / sum(c for _, c in sums)).backward()
             diffs = [((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item()
                      for p, q in zip(inner.parameters(), ref.parameters())]
             grad_check.update({"max_rel_err": max(diffs), "samples": len(ids)})
 
         result["updates_a"] = guide.train_lockstep(out, save_at=5, on_micro=lambda m, u: record(m, u, runs["a"]),
-                                                   before_step=before_step)
-        result["updates_b"] = guide.train_lockstep(out, resume=True, on_micro=lambda m, u: record(m, u, runs["b"]))
+                                                   before_step=before_step, budget=budget)
+        result["updates_b"] = guide.train_lockstep(out, resume=True, on_micro=lambda m, u: record(m, u, runs["b"]),
+                                                   budget=budget)
         result.update(runs=runs, grad_check=grad_check)
     elif mode == "resume":  # on another world size, from run A's checkpoint (every rank's ODB state merged)
         records: list[dict[str, Any]] = []
-        result["updates"] = guide.train_lockstep(out, resume=True, on_micro=lambda m, u: records.append(
+        result["updates"] = guide.train_lockstep(out, resume=True, budget=budget, on_micro=lambda m, u: records.append(
             {**dict(zip(("update", "epoch"), (u, m.info.epoch))), "indices": list(m.info.indices),
              "padding": m.is_padding, "idle": m.info.is_idle, "multiplier": m.loss_multiplier,
              "local_tokens": m.info.local_tokens}))

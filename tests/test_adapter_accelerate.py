@@ -4,8 +4,10 @@ Lockstep: a run checkpoints mid-epoch and stops, a second resumes: exactly-once 
 per epoch across the two (P4), equal micro-batches per update on every rank (P2), exact
 window weights (P7), and the first update's DDP gradient equal to the single-process
 per-token-mean gradient over the same samples; at W=2, A's checkpoint also resumes on one rank
-(elastic resume) with the same exactly-once coverage. Join: ``skip_idle`` batches under torch
-``Join`` with uneven shards: coverage, and ranks really ran different batch counts.
+(elastic resume) with the same exactly-once coverage. W=1 runs under the packed budget
+(padding-free rows; the reference gradient re-collates each row), W=2 under the padded one.
+Join: ``skip_idle`` batches under torch ``Join`` with uneven shards: coverage, and ranks
+really ran different batch counts.
 """
 
 from __future__ import annotations
@@ -19,16 +21,24 @@ pytest.importorskip("accelerate", reason="the accelerate extra is not installed"
 
 from torch_support import check_resume_exactly_once, check_windows, run_torchrun, trained  # noqa: E402
 
+from odb_tools.demo.synthetic import TokenDataset  # noqa: E402
+
 pytestmark = pytest.mark.timeout(400)
 
 WORKER = Path(__file__).with_name("accelerate_worker.py")
 N = 96
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_accelerate_lockstep_resume_exact_gradient(world, tmp_path):
-    run_torchrun(WORKER, [str(tmp_path), "lockstep"], world)
+@pytest.mark.parametrize(("world", "budget"), [(1, "packed"), (2, "padded")])
+def test_accelerate_lockstep_resume_exact_gradient(world, budget, tmp_path):
+    run_torchrun(WORKER, [str(tmp_path), "lockstep", budget], world)
     ranks = [json.loads((tmp_path / f"lockstep_rank{r}.json").read_text()) for r in range(world)]
+    lengths = TokenDataset(N).length
+    real = [rec for r in ranks for run in ("a", "b") for rec in r["runs"][run] if not rec["padding"] and not rec["idle"]]
+    if budget == "packed":  # one padding-free row per group, within the packed budget (P3)
+        assert all(rec["row"] == [1, sum(map(lengths, rec["indices"]))] for rec in real)
+        assert all(len(rec["indices"]) == 1 or rec["row"][1] <= 256 for rec in real)
+        assert any(len(rec["indices"]) * max(map(lengths, rec["indices"])) > 256 for rec in real), "nothing packed"
     assert all(r["updates_a"] == 5 for r in ranks)
     before = trained([r["runs"]["a"] for r in ranks], keep=lambda rec: rec["update"] < 5)
     after = trained([r["runs"]["b"] for r in ranks])
@@ -39,7 +49,7 @@ def test_accelerate_lockstep_resume_exact_gradient(world, tmp_path):
     assert check["samples"] > world and check["max_rel_err"] < 1e-5, (
         f"P7: DDP gradient differs from the per-token-mean reference by {check['max_rel_err']:.2e}")
     if world == 2:  # elastic: A's 2-rank checkpoint resumed on 1 rank (both rank files merged) loses nothing
-        run_torchrun(WORKER, [str(tmp_path), "resume"], 1)
+        run_torchrun(WORKER, [str(tmp_path), "resume", budget], 1)
         resumed = json.loads((tmp_path / "resume_rank0.json").read_text())
         check_resume_exactly_once(before, trained([resumed["records"]]), N)
         check_windows([resumed["records"]])

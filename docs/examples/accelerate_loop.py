@@ -41,11 +41,12 @@ def build(accelerator: Accelerator) -> tuple[TinyCausalLM, torch.optim.Optimizer
 
 
 def train_lockstep(out_dir: str, epochs: int = 2, accum: int = 2, save_at: int = 0, resume: bool = False,
-                   on_micro: Hook | None = None, before_step: Hook | None = None) -> int:
-    """Lockstep loop; saves a checkpoint after update ``save_at`` (0: never); returns the updates made."""
+                   on_micro: Hook | None = None, before_step: Hook | None = None, budget: str = "padded") -> int:
+    """Lockstep loop; saves a checkpoint after update ``save_at`` (0: never); returns the updates made.
+    ``budget="packed"``: padding-free rows (``packed_collate``, docs/packing.md)."""
     accelerator = Accelerator(cpu=True)
     model, optimizer, dataset = build(accelerator)
-    model, optimizer, windows = prepare(accelerator, model, optimizer, dataset, token_budget=256,
+    model, optimizer, windows = prepare(accelerator, model, optimizer, dataset, token_budget=256, budget=budget,
                                         accumulation_steps=accum, buffer_size=32, num_workers=1, timeout=120)
     ckpt = os.path.join(out_dir, "checkpoint")
     if resume:
