@@ -169,7 +169,7 @@ def loader(world: int = 2, rank: int = 0, **kw: Any) -> Any:
 def check_global_order(order_fn: Callable[..., list[int]], drop_last: bool, shuffle: bool) -> None:
     from torch.utils.data import DistributedSampler
 
-    for n in range(1, 12):
+    for n in range(1, 10):
         for world in range(1, 5):
             ranks = [DistributedSampler(cast(Any, range(n)), num_replicas=world, rank=r, shuffle=shuffle, seed=5,
                                         drop_last=drop_last) for r in range(world)]
@@ -224,7 +224,8 @@ def test_elastic_resume_refuses_a_custom_sampler_a_non_join_loader_and_a_lone_st
 
 # ---- the spec: ODB from a consumed set, redistributed over W' ranks (spec/Elastic.tla) -------------
 
-ELASTIC_CFGS = sorted((Path(__file__).resolve().parents[1] / "spec" / "cfg" / "elastic").glob("*.cfg"))
+ELASTIC_CFGS = sorted(p for p in (Path(__file__).resolve().parents[1] / "spec" / "cfg" / "elastic").glob("*.cfg")
+                      if not p.stem.startswith("deep_"))  # deep_*: run by hand, as spec/cfg/deep_* (suite time)
 
 
 @pytest.mark.timeout(300)

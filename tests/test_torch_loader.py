@@ -235,12 +235,10 @@ def test_elastic_resume_cut_on_2_ranks_resumed_on_3_then_on_2_yields_every_view_
     base = {"kind": "elastic", "n": n, "buffer": 8}
     runs = [run_ranks(2, {**base, "stop_after": 3, "save": str(states_a)}, tmp_path / "a"),
             run_ranks(3, {**base, "load": str(states_a), "stop_after": 2, "save": str(states_b)}, tmp_path / "b"),
-            run_ranks(2, {**base, "load": str(states_b)}, tmp_path / "c", trace=True)]
+            run_ranks(2, {**base, "load": str(states_b)}, tmp_path / "c")]
     for results in runs:
         for r in results:
             assert "error" not in r, r.get("trace")
-    for name in ("c",):  # the resumed run (over dealt views) is a behaviour of the spec
-        check_real_traces(tmp_path / name / "traces")
     first = 0
     for results in runs:
         numbers = [[number for number, _ in r["steps"]] for r in results]
