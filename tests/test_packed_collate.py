@@ -15,7 +15,7 @@ from odb_torch.losses import shifted_loss_tokens
 
 transformers = pytest.importorskip("transformers")
 
-from test_packed_exactness import VOCAB, samples, tiny_model  # noqa: E402
+from test_packed_exactness import VOCAB, one_thread, samples, tiny_model  # noqa: E402, F401 (one_thread: autouse)
 
 rows = st.lists(st.lists(st.integers(-100, 1000), min_size=1, max_size=30), min_size=1, max_size=10)
 

@@ -29,6 +29,16 @@ TOLERANCE = {"sdpa": 1e-12, "eager": 1e-6}
 BUG_EFFECT = 1e-3
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny float64 matmuls: one intra-op thread (80x faster than two spinning threads on a
+    busy 2-core machine); the previous count is restored."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_model(family: str, impl: str) -> torch.nn.Module:
     """A 2-layer model of ``family`` ("llama" or "qwen2") built from a config, float64, eval, no cache."""
     kw = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
