@@ -239,3 +239,27 @@ def test_tlc_resume_from_a_consumed_set_passes_every_invariant_and_its_mutant_is
     run = tlc("Elastic", path)
     assert run.distinct_states > 0, run.output[-2000:]
     assert run.outcome == expectation(path), run.output[-3000:]
+
+
+def test_window_states_of_another_world_are_merged_and_disagreeing_counters_refused(tmp_path: Path) -> None:
+    """load_windows_state (HF, Accelerate) at W'=3 reads both files of a W=2 checkpoint; global
+    counters that differ between the files are a CheckpointStateError naming the field."""
+    import json
+
+    from odb_core.errors import CheckpointStateError
+    from odb_torch.windows import AccumulationWindows, load_windows_state
+
+    def window_state(loader_state: dict[str, Any], updates: int = 4) -> dict[str, Any]:
+        return {"version": 1, "epoch": 1, "epochs_completed": 1, "samples_seen": 30, "tokens_seen": 900,
+                "updates": updates, "samples_in_epoch": 7, "accumulation_steps": 2, "loader": loader_state}
+
+    states = [dict(s, seed=0, total=24, world_size=2) for s in good_states()[:2]]
+    for r, s in enumerate(states):
+        (tmp_path / f"odb_state_rank{r}.json").write_text(json.dumps(window_state(s)))
+    windows = AccumulationWindows(loader(3, rank=2), 2)
+    load_windows_state(windows, str(tmp_path))
+    assert (windows.updates, windows.samples_seen, windows.loader._resume) == (4, 30, (1, [], 3))
+    assert windows.loader._elastic is not None and windows.loader._elastic.views == tuple(range(4, 24))[2::3]
+    (tmp_path / "odb_state_rank1.json").write_text(json.dumps(window_state(states[1], updates=5)))
+    with pytest.raises(CheckpointStateError, match="updates"):
+        load_windows_state(AccumulationWindows(loader(3, rank=2), 2), str(tmp_path))
