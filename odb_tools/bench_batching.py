@@ -13,7 +13,8 @@ measured on the same buffers when that package is installed: ``pip install -e .[
 its grouping is timed single-rank; its alignment runs live on Gloo ranks at the
 ``reference_worlds`` sizes, :mod:`odb_tools.reference_alignment`). With the bench
 extra, lhotse's ``DynamicBucketingSampler`` (30 buckets, ``max_duration`` = the budget in
-tokens) adds a single-rank row.
+tokens) adds a single-rank row. With ``budget_kinds`` including ``"packed"``, the packed
+rows of :mod:`odb_tools.bench_packed` follow (ODB's packed budget against offline packing).
 ODB's side imports no torch unless the chat data is used.
 """
 
@@ -213,23 +214,31 @@ def _buffers(lengths: Sequence[int], budget: int, buffer_size: int) -> list[tupl
 
 def run(samples: int = 100_000, budgets: Sequence[int] = (8192, 16384), worlds: Sequence[int] = (1, 2, 4, 8),
         buffer_size: int = 1024, distributions: Sequence[str] = (*FITTED, "chat"), seed: int = 0,
-        reference_worlds: Sequence[int] = (8,), progress: bool = False) -> list[dict[str, Any]]:
-    """Every row of the benchmark; ``progress``: a bar on stderr (when it is a terminal)."""
+        reference_worlds: Sequence[int] = (8,), progress: bool = False,
+        budget_kinds: Sequence[str] = ("padded", "packed")) -> list[dict[str, Any]]:
+    """Every row of the benchmark; ``progress``: a bar on stderr (when it is a terminal);
+    ``budget_kinds``: the padded rows (:func:`rows_for`), the packed rows
+    (:func:`odb_tools.bench_packed.packed_rows`, ``budget_kind`` "packed"), or both."""
+    from odb_tools.bench_packed import packed_rows
+
     rows: list[dict[str, Any]] = []
-    stages = len(distributions) * len(budgets) * (2 + len(worlds))
-    with bar(stages, "bench batching", "stages", progress) as b:
+    per_budget = (2 + len(worlds)) * ("padded" in budget_kinds) + (1 + len(worlds)) * ("packed" in budget_kinds)
+    with bar(len(distributions) * len(budgets) * per_budget, "bench batching", "stages", progress) as b:
         for name in distributions:
             b.set_description_str(name)
             if name == "chat":
                 lengths = chat_lengths()
                 if lengths is None:
-                    b.update(len(budgets) * (2 + len(worlds)))
+                    b.update(len(budgets) * per_budget)
                     continue
             else:
                 lengths = sample_lengths(name, samples, seed)
             for budget in budgets:
-                rows += rows_for(name, lengths, budget, worlds, buffer_size, seed, reference_worlds,
-                                 _ticker(b, budget))
+                if "padded" in budget_kinds:
+                    rows += rows_for(name, lengths, budget, worlds, buffer_size, seed, reference_worlds,
+                                     _ticker(b, budget))
+                if "packed" in budget_kinds:
+                    rows += packed_rows(name, lengths, budget, worlds, buffer_size, seed, _ticker(b, budget))
     return rows
 
 
@@ -242,7 +251,17 @@ def _ticker(b: Any, budget: int) -> Callable[[str], None]:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """The rows as one Markdown table."""
+    """The padded rows as one Markdown table, then the packed rows as another."""
+    from odb_tools import bench_packed
+
+    packed = [r for r in rows if r.get("budget_kind") == "packed"]
+    rows = [r for r in rows if r.get("budget_kind") != "packed"]
+    tables = ([padded_markdown(rows)] if rows else []) + ([bench_packed.markdown(packed)] if packed else [])
+    return "\n\n".join(tables)
+
+
+def padded_markdown(rows: list[dict[str, Any]]) -> str:
+    """The padded rows as one Markdown table."""
     out = ["| distribution | budget | W | batcher | padding | samples/update | updates | max padded tokens | "
            "over-budget batches | alignment overhead | formation s/1e5 |", "|" + "---|" * 11]
     for r in rows:

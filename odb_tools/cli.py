@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from odb_core.config import MODES, OVERFLOW_POLICIES, TARGET_POLICIES, LossScaling
+    from odb_core.config import BUDGETS, MODES, OVERFLOW_POLICIES, TARGET_POLICIES, LossScaling
     from odb_core.distributions import DISTRIBUTIONS
     from odb_core.schedules import SCHEDULES
 
@@ -32,7 +32,10 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         default="ultrachat",
         help=f"a file of integer lengths, or one of: {', '.join(DISTRIBUTIONS)} (default ultrachat)",
     )
-    p.add_argument("--token-budget", type=int, default=8192, help="L_max, padded tokens per group (default 8192)")
+    p.add_argument("--token-budget", type=int, default=8192,
+                   help="L_max, tokens per group as --budget counts them (default 8192)")
+    p.add_argument("--budget", choices=BUDGETS, default="padded",
+                   help="padded: max length x size <= L_max (default); packed: sum of lengths <= L_max")
     p.add_argument("--buffer-size", type=int, default=1024, help="samples buffered before grouping (default 1024)")
     p.add_argument("--depth", type=int, default=None, help="outstanding depth D (default: buffer size)")
     p.add_argument("--mode", choices=MODES, default="join")
@@ -71,6 +74,7 @@ def _simulate(args: argparse.Namespace) -> int:
     try:
         config = ODBConfig(
             token_budget=args.token_budget,
+            budget=args.budget,
             buffer_size=args.buffer_size,
             depth=args.depth,
             mode=args.mode,
@@ -195,6 +199,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "to measure its alignment overhead; empty to skip (default 8)")
     b.add_argument("--distributions", default="ultrachat,llava,sharegpt4o,chat",
                    help="comma-separated: ultrachat, llava, sharegpt4o, chat (the real chit-chat data)")
+    b.add_argument("--budget", choices=("padded", "packed", "both"), default="both",
+                   help="rows of the padded budget (the batchers above), of the packed budget (ODB packed at each "
+                        "W against offline FFD and TRL's pack_dataset bfd), or both (default)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", action="store_true", help="print one JSON object with a rows list")
     b.set_defaults(func=_bench_batching)
@@ -205,12 +212,14 @@ def _bench_batching(args: argparse.Namespace) -> int:
 
     rows = run(samples=args.samples, budgets=args.budgets, worlds=args.worlds, buffer_size=args.buffer_size,
                distributions=[d for d in args.distributions.split(",") if d], seed=args.seed,
-               reference_worlds=args.reference_worlds, progress=not args.json)
+               reference_worlds=args.reference_worlds, progress=not args.json,
+               budget_kinds=("padded", "packed") if args.budget == "both" else (args.budget,))
     print(json.dumps({"rows": rows}) if args.json else markdown(rows))
     return 0
 
 
 def _add_profile(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from odb_core.config import BUDGETS
     from odb_core.distributions import DISTRIBUTIONS
 
     p = sub.add_parser("profile", help="CV, short fraction, expected padding and a suggested L_max for a dataset")
@@ -222,6 +231,8 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.add_argument("--max-length", type=int, default=None, help="cutoff applied to every length")
     p.add_argument("--budgets", type=_ints, default=None, help="comma-separated token budgets")
     p.add_argument("--buffer-size", type=int, default=1024)
+    p.add_argument("--budget", choices=BUDGETS, default="padded",
+                   help="ODB's budget: padded groups (default) or packed, padding-free groups (sum of lengths <= L_max)")
     p.add_argument("--step-fixed", type=float, default=None, help="seconds per step, fixed part")
     p.add_argument("--step-per-token", type=float, default=None, help="seconds per padded token")
     p.add_argument("--json", action="store_true")
@@ -250,7 +261,7 @@ def _profile(args: argparse.Namespace) -> int:
     if args.max_length and not args.chat:
         lengths = [min(x, args.max_length) for x in lengths]
     result = profile(lengths, args.budgets or DEFAULT_BUDGETS, args.buffer_size,
-                     step_fixed=args.step_fixed, step_per_token=args.step_per_token)
+                     step_fixed=args.step_fixed, step_per_token=args.step_per_token, budget_kind=args.budget)
     print(json.dumps(result) if args.json else markdown(result))
     return 0
 

@@ -7,6 +7,12 @@ batching at the survival batch size. It suggests a starting L_max: the smallest 
 at which ODB's padding is at most 2% and its samples per update at least 2x fixed
 batching's, else the budget with the most samples per update. With a step-time model
 (``fixed + per_token x padded tokens`` seconds per step) it predicts samples/s of both.
+
+``budget="packed"``: ODB forms packed groups (sum of lengths <= L_max, best-fit
+decreasing over each buffer, :func:`odb_core.packing.pack_groups`), so its padding is
+0 and its processed tokens are the real ones; ``odb_packing_efficiency`` is real tokens
+/ L_max per group (groups of one sample longer than L_max left out). Fixed batching
+stays padded (the comparison a padding-free switch is judged against).
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from odb_core.config import BudgetName
 from odb_core.grouping import form_groups
+from odb_core.packing import pack_groups
 from odb_tools.baselines import survival_batch_size
 
 DEFAULT_BUDGETS = (2048, 4096, 8192, 16384, 32768)
@@ -23,7 +31,7 @@ DEFAULT_BUDGETS = (2048, 4096, 8192, 16384, 32768)
 
 def profile(lengths: Sequence[int], budgets: Sequence[int] = DEFAULT_BUDGETS, buffer_size: int = 1024,
             short_fraction: float = 0.25, step_fixed: float | None = None,
-            step_per_token: float | None = None) -> dict[str, Any]:
+            step_per_token: float | None = None, budget_kind: BudgetName = "padded") -> dict[str, Any]:
     """The profile as one JSON-ready dict (see the module docstring)."""
     if not lengths:
         raise ValueError("profile needs at least one length")
@@ -33,12 +41,16 @@ def profile(lengths: Sequence[int], budgets: Sequence[int] = DEFAULT_BUDGETS, bu
     cv = statistics.pstdev(lengths) / mean if mean else 0.0
     rows = []
     for budget in budgets:
-        groups = 0
+        groups = within = within_real = 0
         odb_padded = 0
+        form = pack_groups if budget_kind == "packed" else form_groups
         for k in range(0, len(lengths), buffer_size):
-            for g in form_groups(lengths[k:k + buffer_size], budget):
+            for g in form(lengths[k:k + buffer_size], budget):
                 groups += 1
-                odb_padded += max(lengths[k + i] for i in g) * len(g)
+                real_g = sum(lengths[k + i] for i in g)
+                odb_padded += real_g if budget_kind == "packed" else max(lengths[k + i] for i in g) * len(g)
+                if len(g) > 1 or real_g <= budget:
+                    within, within_real = within + 1, within_real + real_g
         real = sum(lengths)
         bs = survival_batch_size(lengths, budget)
         fixed_padded = sum(max(lengths[k:k + bs]) * len(lengths[k:k + bs]) for k in range(0, len(lengths), bs))
@@ -46,6 +58,7 @@ def profile(lengths: Sequence[int], budgets: Sequence[int] = DEFAULT_BUDGETS, bu
         row: dict[str, Any] = {
             "token_budget": budget, "short_fraction": sum(1 for x in lengths if x <= short_fraction * budget) / len(lengths),
             "odb_padding": 1 - real / max(odb_padded, 1), "odb_samples_per_update": len(lengths) / groups,
+            "odb_packing_efficiency": within_real / (within * budget) if within else 0.0,
             "fixed_batch_size": bs, "fixed_padding": 1 - real / max(fixed_padded, 1),
             "fixed_samples_per_update": len(lengths) / fixed_steps,
         }
@@ -59,13 +72,14 @@ def profile(lengths: Sequence[int], budgets: Sequence[int] = DEFAULT_BUDGETS, bu
     good = [r for r in rows if r["odb_padding"] <= 0.02 and r["odb_samples_per_update"] >= 2 * r["fixed_samples_per_update"]]
     suggested = good[0] if good else max(rows, key=lambda r: r["odb_samples_per_update"])
     return {"samples": len(lengths), "mean_length": mean, "max_length": max(lengths), "cv": cv,
-            "buffer_size": buffer_size, "budgets": rows, "suggested_token_budget": suggested["token_budget"]}
+            "buffer_size": buffer_size, "budget": budget_kind, "budgets": rows,
+            "suggested_token_budget": suggested["token_budget"]}
 
 
 def markdown(p: dict[str, Any]) -> str:
     """The profile as text with a Markdown table."""
     head = (f"{p['samples']} samples, mean length {p['mean_length']:.1f}, max {p['max_length']}, CV {p['cv']:.2f}; "
-            f"buffer {p['buffer_size']}\n\n")
+            f"buffer {p['buffer_size']}; ODB's {p['budget']} budget\n\n")
     timed = "predicted_speedup" in p["budgets"][0]
     cols = ("| L_max | f_s | ODB padding | ODB samples/update | fixed bs | fixed padding | fixed samples/update |"
             + (" ODB samples/s | fixed samples/s | speedup |" if timed else ""))

@@ -59,3 +59,14 @@ def test_simulate_bad_file_line_is_named(tmp_path):
 def test_simulate_invalid_config_names_the_field():
     out = odb("simulate", "--buffer-size", "64", "--depth", "8", check=False)
     assert out.returncode != 0 and "depth" in out.stderr
+
+
+def test_simulate_packed_budget_packs_fuller_groups_in_lockstep():
+    """--budget packed against the default padded budget on the same lengths: every sample once
+    (P4), ranks in lockstep (P2), groups fuller (budget_fill) and fewer steps."""
+    args = ("simulate", "--world", "4", "--samples", "6000", "--lengths", "sharegpt4o", "--json")
+    packed, padded = (json.loads(odb(*args, *extra).stdout) for extra in (("--budget", "packed"), ()))
+    assert packed["unique_identities"] == 6000 and packed["duplicate_emits"] == 0
+    assert len(set(packed["steps_per_rank"])) == 1
+    assert packed["budget_fill"] > padded["budget_fill"] and packed["steps_per_rank"][0] < padded["steps_per_rank"][0]
+    assert packed["over_budget_singletons"] == padded["over_budget_singletons"] > 0

@@ -25,15 +25,25 @@ def run(*args: str, timeout: float = 600) -> str:
 def test_demo_quick_json_table_and_plots(tmp_path):
     summary = json.loads(run("demo", "--quick", "--json", "--results", str(tmp_path)))
     names = [m["name"] for m in summary["methods"]]
-    assert names == ["standard", "sorted", "odb"]
+    assert names == ["standard", "sorted", "odb", "odb-packed"]
     assert summary["config"]["max_grad_norm"] == 1.0, "every method clips the gradient norm at the recorded value"
     for m in summary["methods"]:
         for key in ("samples_per_second", "padding_fraction", "samples_per_update", "updates", "final_loss"):
             assert key in m, key
         assert m["samples"] >= summary["config"]["samples"], f"{m['name']} lost samples"
         assert m["updates"] > 0 and 0 <= m["padding_fraction"] < 1 and m["final_loss"] > 0
-    odb, standard = summary["methods"][2], summary["methods"][0]
+    odb, standard, packed = summary["methods"][2], summary["methods"][0], summary["methods"][3]
     assert odb["padding_fraction"] < standard["padding_fraction"], "ODB must pad less than random fixed batches"
+    assert packed["padding_fraction"] == 0, "a packed row processes only real tokens"
+    assert packed["updates"] < odb["updates"], "packed micro-batches of the same budget hold more samples"
+    # time to loss: Standard reaches its own final smoothed loss (the target) by the end of its epoch
+    assert summary["time_to_loss"]["target"] == standard["tail_loss"]
+    assert 0 < standard["time_to_standard_loss"] <= standard["seconds"]
+    for m in summary["methods"]:
+        t = m["time_to_standard_loss"]
+        assert t is None or 0 < t <= m["seconds"], m
+    assert [Path(p).name for p in summary["plots"]] == ["loss_vs_samples.png", "padding_vs_throughput.png",
+                                                        "loss_vs_seconds.png"]
     for png in summary["plots"]:
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -41,6 +51,7 @@ def test_demo_quick_json_table_and_plots(tmp_path):
 def test_bench_batching_json_rows():
     rows = json.loads(run("bench", "batching", "--samples", "3000", "--budgets", "8192", "--worlds", "2,8",
                           "--distributions", "sharegpt4o", "--reference-worlds", "2", "--json"))["rows"]
+    rows, packed_rows = ([r for r in rows if (r.get("budget_kind") == "packed") == kind] for kind in (False, True))
     keys = {"batcher", "distribution", "token_budget", "world", "padding_fraction", "samples_per_update",
             "updates", "over_budget_batches", "alignment_overhead", "formation_seconds_per_1e5"}
     assert all(keys <= set(r) for r in rows)
@@ -51,6 +62,19 @@ def test_bench_batching_json_rows():
             assert r["over_budget_batches"] == 0, f"{r['batcher']}: a multi-sample batch over the budget"
     odb8 = next(r for r in rows if r["batcher"] == "odb" and r["world"] == 8)
     assert 0 <= odb8["alignment_overhead"] < 0.2 and odb8["padding_fraction"] < 0.05
+    packed = {(r["batcher"], r["world"]): r for r in packed_rows}
+    assert {b for b, _ in packed} == {"odb packed", "ffd oracle (offline)", "trl pack_dataset bfd (offline, map batches "
+                                      "of 1000)", "trl pack_dataset bfd (offline, one batch)"}
+    oracle = packed["ffd oracle (offline)", 2]
+    for (batcher, world), r in packed.items():
+        assert r["samples"] == 3000, f"{batcher} W={world} lost samples"
+        assert 0.9 < r["packing_efficiency"] <= oracle["packing_efficiency"] + 1e-3
+        assert r["updates"] * world >= r["batches"], (batcher, world)
+    for world in (2, 8):
+        odb = packed["odb packed", world]
+        assert odb["coverage_exact"] and 0 <= odb["alignment_overhead"] < 0.2
+        assert odb["over_budget_singletons"] == packed["trl pack_dataset bfd (offline, one batch)", world][
+            "truncated_samples"] > 0, "sharegpt4o has samples over 8192: ODB sends them alone, TRL truncates them"
 
 
 def test_reference_package_alignment_runs_live_on_gloo_ranks_and_emits_every_view():
@@ -101,11 +125,17 @@ def test_baselines_cover_every_sample_and_respect_the_budget(batcher):
 def test_profile_suggests_a_budget_and_predicts_speed(tmp_path):
     path = tmp_path / "lengths.txt"
     path.write_text("\n".join(str(10 + (i * 37) % 2000) for i in range(5000)))
+    packed = json.loads(run("profile", "--lengths", str(path), "--budgets", "2048,8192", "--budget", "packed",
+                            "--json"))
+    assert packed["budget"] == "packed" and all(r["odb_padding"] == 0 for r in packed["budgets"])
     p = json.loads(run("profile", "--lengths", str(path), "--budgets", "2048,8192",
                        "--step-fixed", "0.05", "--step-per-token", "1e-5", "--json"))
     assert p["samples"] == 5000 and p["suggested_token_budget"] in (2048, 8192)
     assert all(r["odb_padding"] < r["fixed_padding"] or r["fixed_batch_size"] == 1 for r in p["budgets"])
     assert all(r["predicted_speedup"] > 1 for r in p["budgets"])
+    for pk, pd in zip(packed["budgets"], p["budgets"], strict=True):  # --budget packed: fuller groups, fewer of them
+        assert pk["odb_packing_efficiency"] > pd["odb_packing_efficiency"]
+        assert pk["odb_samples_per_update"] > pd["odb_samples_per_update"]
 
 
 def test_profile_rejects_a_bad_jsonl_line_by_number(tmp_path):

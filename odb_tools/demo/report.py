@@ -1,24 +1,58 @@
-"""The demo's table, JSON summary and PNG plots."""
+"""The demo's table, JSON summary and PNG plots.
+
+**Time to loss** (issue 19): a method's training loss curve is smoothed as the
+token-weighted mean of the per-update training losses over a trailing window of the
+last 10% of its samples (:func:`smoothed`: at the update that brings samples seen to
+``s``, the updates ending in ``(s - 0.1 N, s]``, ``N`` the run's samples; a point only
+once ``s >= 0.1 N``). Standard's final loss is the last point of its smoothed curve
+(its ``tail_loss``), and a method's time to it is the wall-clock seconds, from the start
+of its epoch, at the end of the first update whose smoothed loss is at or below it
+(``None``: not reached in the epoch).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+WINDOW = 0.1  # the smoothing window: the last 10% of a run's samples
 
-def summarize(name: str, run: dict[str, Any], standard_rate: float | None) -> dict[str, Any]:
+
+def smoothed(run: dict[str, Any]) -> list[tuple[float, int, float]]:
+    """(seconds, samples seen, smoothed training loss) at every update with at least a
+    window's samples behind it (see the module); the last point's loss is ``tail_loss``."""
+    log = run["log"]
+    width = WINDOW * run["samples"]
+    out = []
+    for k, entry in enumerate(log):
+        if entry["samples"] < width and k < len(log) - 1:
+            continue
+        window = [e for e in log[: k + 1] if e["samples"] > entry["samples"] - width] or [entry]
+        tokens = sum(e["tokens"] for e in window)
+        out.append((entry.get("seconds", float("nan")), entry["samples"],
+                    sum(e["loss"] * e["tokens"] for e in window) / max(tokens, 1)))
+    return out
+
+
+def time_to_loss(run: dict[str, Any], target: float | None) -> float | None:
+    """Seconds until the smoothed training loss first reaches ``target`` (None: never, or no target)."""
+    if target is None:
+        return None
+    return next((sec for sec, _, loss in smoothed(run) if loss <= target), None)
+
+
+def summarize(name: str, run: dict[str, Any], standard_rate: float | None,
+              target: float | None = None) -> dict[str, Any]:
     """One method's row: throughput, padding, samples per update, updates and the final loss.
 
     ``final_loss`` is the final model's per-token loss over a fixed probe of training samples
     (the same for every method, so all are compared after the same samples seen);
-    ``tail_loss`` is the token-weighted mean training loss over the last 10% of samples seen.
+    ``tail_loss`` is the token-weighted mean training loss over the last 10% of samples seen
+    (the last point of :func:`smoothed`); ``time_to_standard_loss``: :func:`time_to_loss` of ``target``.
     """
     log = run["log"]
     updates = len(log)
-    cutoff = 0.9 * run["samples"]
-    tail = [e for e in log if e["samples"] > cutoff] or log[-1:]
-    tail_tokens = sum(e["tokens"] for e in tail)
-    tail_loss = sum(e["loss"] * e["tokens"] for e in tail) / max(tail_tokens, 1)
+    tail_loss = smoothed(run)[-1][2]
     rate = run["samples"] / run["seconds"]
     return {
         "name": name,
@@ -31,22 +65,53 @@ def summarize(name: str, run: dict[str, Any], standard_rate: float | None) -> di
         "updates": updates,
         "final_loss": run["final_loss"],
         "tail_loss": tail_loss,
+        "time_to_standard_loss": time_to_loss(run, target),
         "speedup_vs_standard": rate / standard_rate if standard_rate else 1.0,
     }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """A Markdown table of the rows."""
-    head = ("| method | samples/s | tokens/s | padding | samples/update | updates | final loss | speedup vs Standard |\n"
-            "|---|---|---|---|---|---|---|---|")
+    head = ("| method | samples/s | tokens/s | padding | samples/update | updates | final loss | speedup vs Standard "
+            "| time to Standard's loss |\n|---|---|---|---|---|---|---|---|---|")
     lines = [f"| {r['name']} | {r['samples_per_second']:.1f} | {r['tokens_per_second']:.0f} | "
              f"{r['padding_fraction']:.1%} | {r['samples_per_update']:.1f} | {r['updates']} | "
-             f"{r['final_loss']:.3f} | {r['speedup_vs_standard']:.2f}x |" for r in rows]
+             f"{r['final_loss']:.3f} | {r['speedup_vs_standard']:.2f}x | {_seconds(r.get('time_to_standard_loss'))} |"
+             for r in rows]
     return "\n".join([head, *lines])
 
 
+def _seconds(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.1f} s"
+
+
+def plot_time(runs: dict[str, dict[str, Any]], target: float | None, out_dir: Path) -> Path:
+    """loss_vs_seconds.png: every method's smoothed training loss (:func:`smoothed`)
+    against wall-clock seconds, with Standard's final smoothed loss as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, run in runs.items():
+        points = smoothed(run)
+        ax.plot([p[0] for p in points], [p[2] for p in points], label=name, linewidth=1.2)
+    if target is not None:
+        ax.axhline(target, color="grey", linestyle="--", linewidth=0.8, label="Standard's final loss")
+    ax.set_xlabel("wall-clock seconds")
+    ax.set_ylabel(f"training loss (per token, trailing {WINDOW:.0%} of samples)")
+    ax.set_title("Loss against time")
+    ax.legend()
+    fig.tight_layout()
+    png = out_dir / "loss_vs_seconds.png"
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
+
+
 def plot(runs: dict[str, dict[str, Any]], rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """loss_vs_samples.png and padding_vs_throughput.png in ``out_dir``."""
+    """loss_vs_samples.png and padding_vs_throughput.png in ``out_dir``; loss_vs_seconds.png (:func:`plot_time`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -79,4 +144,5 @@ def plot(runs: dict[str, dict[str, Any]], rows: list[dict[str, Any]], out_dir: P
     pad_png = out_dir / "padding_vs_throughput.png"
     fig.savefig(pad_png, dpi=120)
     plt.close(fig)
-    return [loss_png, pad_png]
+    standard = runs.get("standard")
+    return [loss_png, pad_png, plot_time(runs, smoothed(standard)[-1][2] if standard else None, out_dir)]

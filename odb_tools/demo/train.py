@@ -9,7 +9,12 @@ gradient clipping:
 * ``odb``: :class:`~odb_torch.ODBDataLoader` with exact loss scaling (P7), each update
   ``accumulation_steps`` micro-batches of ``token_budget / accumulation_steps`` tokens
   (:class:`~odb_torch.windows.AccumulationWindows`), so an update mixes groups from
-  across the length range instead of holding one length-homogeneous group per rank.
+  across the length range instead of holding one length-homogeneous group per rank;
+* ``odb-packed``: the same loader and windows under the packed budget
+  (``ODBConfig(budget="packed")``: the sum of a micro-batch's lengths within its tokens,
+  best-fit decreasing over the buffer), each micro-batch one padding-free row
+  (:func:`odb_torch.padding_free.packed_collate`) whose attention stays within each
+  sequence (:mod:`.model`).
 
 The fixed batch size is ODB's expected samples per update, so all make about the same
 number of updates. Standard and Sorted use DDP's usual loss (each rank's per-token mean,
@@ -35,15 +40,19 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
+from odb_core import ODBConfig
+from odb_core.config import BudgetName
 from odb_tools.demo.chat_data import ChatDataset
 from odb_tools.demo.model import ModelConfig, TinyCausalLM
 from odb_tools.progress import bar
 from odb_torch.collate import pad_collate
 from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import shifted_loss_tokens
+from odb_torch.padding_free import packed_collate
 from odb_torch.windows import AccumulationWindows
 
-METHODS = ("standard", "sorted", "odb")
+METHODS = ("standard", "sorted", "odb", "odb-packed")
+ODB_METHODS: dict[str, BudgetName] = {"odb": "padded", "odb-packed": "packed"}  # method -> ODBConfig.budget
 
 
 @dataclass(frozen=True)
@@ -104,10 +113,12 @@ def lr_at(base: float, seen: int, total: int, warmup: float = 0.1) -> float:
 
 def _loader(cfg: RunConfig, data: ChatDataset, rank: int, world: int, port: int) -> tuple[Any, int]:
     """The method's loader and its number of steps per rank (ODB: unknown, -1)."""
-    if cfg.method == "odb":
-        odb = ODBDataLoader(data, token_budget=cfg.token_budget // cfg.accumulation_steps, collate_fn=pad_collate,
-                            buffer_size=cfg.buffer_size, num_workers=cfg.num_workers, seed=cfg.seed,
-                            loss_tokens_fn=shifted_loss_tokens, regroup_padding=cfg.regroup_padding,
+    if cfg.method in ODB_METHODS:
+        packed = ODB_METHODS[cfg.method] == "packed"
+        config = ODBConfig(token_budget=cfg.token_budget // cfg.accumulation_steps, budget=ODB_METHODS[cfg.method],
+                           buffer_size=cfg.buffer_size, seed=cfg.seed, regroup_padding=cfg.regroup_padding)
+        odb = ODBDataLoader(data, config=config, collate_fn=packed_collate if packed else pad_collate,
+                            num_workers=cfg.num_workers, loss_tokens_fn=shifted_loss_tokens,
                             init_method=f"tcp://127.0.0.1:{port + 1}")
         return odb, -1
     if cfg.method == "sorted":
@@ -140,7 +151,7 @@ def _micro_batches(cfg: RunConfig, loader: Any) -> Iterator[tuple[Any, float | N
 
     ODB runs through :class:`~odb_torch.windows.AccumulationWindows`: its multiplier makes the
     update the exact per-token mean over every token of the window on every rank (P7)."""
-    if cfg.method == "odb":
+    if cfg.method in ODB_METHODS:
         for mb in AccumulationWindows(loader, cfg.accumulation_steps):
             local = 0 if mb.info.is_idle or mb.is_padding else mb.info.local_samples
             yield mb.batch, mb.loss_multiplier, local, mb.last_in_window
@@ -171,7 +182,7 @@ def run_rank(rank: int, world: int, port: int, cfg: RunConfig, data: ChatDataset
             for group in opt.param_groups:
                 group["lr"] = lr_at(cfg.lr, real, total_tokens)
             with contextlib.nullcontext() if last else model.no_sync():
-                loss_sum, tokens = model(ids, labels)
+                loss_sum, tokens = model(ids, labels, batch.get("position_ids"), batch.get("cu_seq_lens_q"))
                 # ODB: exact global per-token mean (P7); the others: DDP's usual mean of per-rank means
                 (loss_sum * (multiplier if multiplier is not None else 1.0 / max(tokens, 1))).backward()
             if last:
@@ -189,12 +200,13 @@ def run_rank(rank: int, world: int, port: int, cfg: RunConfig, data: ChatDataset
             update += stats[:3]
             if last:
                 log.append({"samples": seen, "loss": float(update[0]) / max(float(update[1]), 1.0),
-                            "tokens": float(update[1]), "step_samples": float(update[2])})
+                            "tokens": float(update[1]), "step_samples": float(update[2]),
+                            "seconds": time.perf_counter() - started})
                 update.zero_()
             progress.update(int(stats[2]))
     finally:
         progress.close()
-        if cfg.method == "odb":
+        if cfg.method in ODB_METHODS:
             loader.close()
     seconds = time.perf_counter() - started
     final = evaluate(model.module, probe, rank, world) if probe is not None else float("nan")
