@@ -169,3 +169,13 @@ def test_the_budget_keyword_reaches_the_config_through_from_dataloader_and_picks
     for budget, collate in (("packed", packed_collate), ("padded", pad_collate)):
         assert odb_loader(accelerator, samples(), token_budget=64, budget=budget)._spec.collate_fn is collate
         assert ODBLightningCallback(samples(), token_budget=64, budget=budget).loader_kwargs["collate_fn"] is collate
+
+
+def test_the_trl_adapter_refuses_the_packed_budget_naming_the_field():
+    pytest.importorskip("trl")
+    from odb_core.errors import UnsupportedSettingError
+    from odb_torch.integrations.trl import ODBSFTTrainer
+
+    with pytest.raises(UnsupportedSettingError, match="budget='packed'") as err:
+        ODBSFTTrainer(model=None, args=object(), token_budget=64, odb_kwargs={"budget": "packed"})
+    assert err.value.fields == ("budget",)

@@ -43,6 +43,7 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from odb_core.errors import UnsupportedSettingError
 from odb_torch.integrations.hf import LossSumFn, ODBTrainer
+from odb_torch.padding_free import budget_of
 
 #: the prepared columns TRL's collator reads (TRL's own signature columns)
 SFT_COLUMNS = ("input_ids", "labels", "seq_lengths")
@@ -118,6 +119,10 @@ class ODBSFTTrainer(ODBTrainer, SFTTrainer):  # type: ignore[misc]
                  warmup_samples: int | None = None, **kwargs: Any) -> None:
         if args is None:
             raise ValueError("ODBSFTTrainer needs an SFTConfig (args=...)")
+        if budget_of(odb_kwargs or {}) == "packed":
+            raise UnsupportedSettingError("ODBSFTTrainer cannot honour: budget='packed': TRL's collator pads each "
+                                          "group, so a packed group's padded batch may exceed the budget; use "
+                                          "ODBTrainer with packed_collate (docs/packing.md)", field="budget")
         refuse_unsupported(args, kwargs)
         super().__init__(model, args, token_budget=token_budget, odb_kwargs=odb_kwargs, loss_sum_fn=loss_sum_fn,
                          warmup_samples=warmup_samples, **kwargs)
