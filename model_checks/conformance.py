@@ -64,6 +64,9 @@ class Scenario:
     """(RegroupNum, RegroupDen): the core's ``regroup_padding`` as a fraction; (0, 0) is off."""
     budget_kind: str = "padded"
     """The core's ``budget`` (spec: ``BudgetKind``): "padded" or "packed"."""
+    stream: bool = False
+    """Each rank's views are a stream whose length the core learns only when a fetch reaches past
+    it (``EpochDriver(stream=True)``; spec: ``StreamOn <- StreamsOn``, next = NV + 2 once known)."""
 
     @property
     def quota(self) -> int:
@@ -172,7 +175,7 @@ def abstract(protos: list[RankProtocol], cursor: Cursor) -> tuple[Value, ...]:
     """The spec's view of the core's state (1-based ranks and positions), :data:`VARIABLES` order."""
     quota = cursor.quota or QuotaTracker(0)
     return (
-        tuple(p.next_position + 1 for p in protos),
+        tuple(p.next_position + (2 if p.streamed and p.ended else 1) for p in protos),
         tuple(frozenset(q + 1 for q in p.in_flight) for p in protos),
         tuple(tuple(b + 1 for b in p.buffered) for p in protos),
         tuple(frozenset(e + 1 for e in p.emitted) for p in protos),
@@ -203,7 +206,7 @@ class _Node:
 def _initial(s: Scenario) -> _Node:
     """Every rank's epoch driver (the one the simulator and the collate process run) at Init."""
     cfg, world = s.config(), len(s.lengths)
-    drivers = [driver(s.mutant)(cfg, r, world, quota=s.quota) for r in range(world)]
+    drivers = [driver(s.mutant)(cfg, r, world, quota=s.quota, stream=s.stream) for r in range(world)]
     _chain(drivers, s.lengths)
     return _Node(drivers, s.lengths)
 
@@ -212,7 +215,7 @@ def _chain(drivers: list[EpochDriver], lengths: tuple[tuple[int, ...], ...]) -> 
     """Start the logical iteration each driver asks for, over the same views (the spec's shards)."""
     if drivers[0].sampler_epoch is not None:
         for d, ls in zip(drivers, lengths):
-            d.start_iteration(list(range(len(ls))))
+            d.start_iteration(() if d.stream else list(range(len(ls))))
 
 
 def _copy(node: _Node) -> _Node:
@@ -226,9 +229,11 @@ def _successors(node: _Node) -> Iterable[_Node]:
         yield node  # Terminating
         return
     for r, p in enumerate(node.protos):
-        if p.next_position < len(p.views) and p.fetch_room() > 0:
+        if (p.next_position < len(p.views) or not p.ended) and p.fetch_room() > 0:
             nxt = _copy(node)
-            nxt.drivers[r].fetch()
+            d = nxt.drivers[r]
+            if any(s >= len(node.lengths[r]) for s in d.stream_positions(d.fetch())):
+                d.end_stream(len(node.lengths[r]))  # a read past the stream's end reveals it
             yield nxt
     for r, p in enumerate(node.protos):
         for pos in sorted(p.in_flight):
@@ -274,6 +279,7 @@ def explore_spec(s: Scenario) -> tuple[TlcRun, set[tuple[Value, ...]], set[tuple
         f"Conf_{k} == {to_tla(v)}\n" for k, v in consts.items()) + "====\n"
     cfg = "CONSTANTS\n" + "".join(f"    {k} <- Conf_{k}\n" for k in consts)
     cfg += "" if s.shuffle else "    Orders <- InOrder\n"
+    cfg += "    StreamOn <- StreamsOn\n" if s.stream else ""
     cfg += "INIT Init\nNEXT Next\n"
     cfg += "INVARIANTS TypeOK NoLeak DepthBound Lockstep BudgetOK WithinCapacity JoinCoverage QuotaClosure RoundBound\n"
     cfg += "    BRuleAdmissible HeldOK\n"

@@ -119,6 +119,8 @@ class RankProtocol:
         self._stream = stream
         self.ended = stream is None
         """The view count is known: always for a list of views, after :meth:`end` for a stream."""
+        self.streamed = stream is not None
+        """The views are a stream's (their count was unknown at the start)."""
         self.iteration = iteration
         self.epoch = epoch
         self._target_policy = TARGET_FUNCTIONS[config.target_policy]

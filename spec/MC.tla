@@ -70,4 +70,7 @@ MutChainOff == FALSE
 \* M7: the packed budget's best fit ignores the sample's own size: a sample goes into the
 \* fullest group with any room left, whether it fits or not (breaks the packed BudgetOK).
 MutFitsOverfill(loads, s) == {i \in DOMAIN loads : loads[i] < Budget}
+\* M8: a stream's end mapped one position early (odb_core: EndsOneEarlyDriver): the fetch that
+\* reveals the end leaves the stream's last view out of Q, so it is never emitted.
+MutStreamEndEarly(r, last) == next[r]..(IF last > NV[r] THEN NV[r] - 1 ELSE last)
 =============================================================================

@@ -57,12 +57,27 @@ SumSeq(s) == IF s = <<>> THEN 0 ELSE Head(s) + SumSeq(Tail(s))
 Views(r) == 1..NV[r]
 Remaining(r) == next[r]..NV[r]
 
+(* Streams (an IterableDataset): a rank's view count is unknown until its  *)
+(* stream ends. NV[r] is then the stream's length, which the rank does not *)
+(* know: Fetch takes positions up to the depth with no upper bound, and a   *)
+(* fetch that reaches past NV[r] reveals the end (the read of position     *)
+(* NV[r] + 1 finds the stream exhausted: odb_core's end_stream); next[r] =  *)
+(* NV[r] + 2 records that the end is known. Only then can the rank drain   *)
+(* and finish (P4). A .cfg turns streams on with StreamOn <- StreamsOn;    *)
+(* every length a configuration gives (uneven, empty) is one the rank      *)
+(* discovers only by fetching past it.                                     *)
+StreamOn == FALSE
+StreamsOn == TRUE
+EndKnown(r) == ~StreamOn \/ next[r] > NV[r] + 1
+\* the positions a fetch up to `last` puts in Q: those before the end (a .cfg may seed a bug here)
+StreamFetched(r, last) == next[r]..(IF last > NV[r] THEN NV[r] ELSE last)
+
 \* B(l) = max(floor(L_max / l), 1); zero lengths count as 1.
 BS(l) == LET q == Budget \div (IF l < 1 THEN 1 ELSE l) IN IF q < 1 THEN 1 ELSE q
 
 ---------------------------------------------------------------------------
 (* Per-rank status, as the header reports it.                              *)
-Drained(r) == next[r] > NV[r] /\ Q[r] = {}
+Drained(r) == EndKnown(r) /\ next[r] > NV[r] /\ Q[r] = {}
 IsFinished(r) == Drained(r) /\ B[r] = <<>>
 Status(r) == IF IsFinished(r) THEN "finished"
              ELSE IF B[r] # <<>> /\ (Len(B[r]) - Cardinality(H[r]) >= BufSize \/ Drained(r)) THEN "ready"
@@ -255,15 +270,19 @@ Init == /\ next = [r \in Ranks |-> 1]
         /\ rounds = 0
         /\ done = (~JoinMode /\ Quota = 0)
 
-(* R -> Q while |Q| + |B \ H| < D, all at once (odb_core's fetch()).       *)
+(* R -> Q while |Q| + |B \ H| < D, all at once (odb_core's fetch()). A     *)
+(* stream's fetch is bounded by the depth alone until its end is known;    *)
+(* positions past the end do not enter Q, and next[r] = NV[r] + 2 says the *)
+(* end is known (odb_core: fetch, then end_stream when a read finds it).   *)
 Fetch(r) ==
     /\ ~done
     /\ LET room == Depth - Cardinality(Q[r]) - (Len(B[r]) - Cardinality(H[r]))
-           avail == NV[r] - next[r] + 1
+           avail == IF StreamOn THEN (IF EndKnown(r) THEN 0 ELSE room) ELSE NV[r] - next[r] + 1
            take == IF room < avail THEN room ELSE avail
+           last == next[r] + take - 1
        IN /\ take > 0
-          /\ Q' = [Q EXCEPT ![r] = @ \cup next[r]..(next[r] + take - 1)]
-          /\ next' = [next EXCEPT ![r] = @ + take]
+          /\ Q' = [Q EXCEPT ![r] = @ \cup StreamFetched(r, last)]
+          /\ next' = [next EXCEPT ![r] = IF StreamOn /\ last > NV[r] THEN NV[r] + 2 ELSE last + 1]
     /\ UNCHANGED <<B, E, H, consumed, lastStep, lastOut, rounds, done>>
 
 (* One in-flight sample arrives, in any order: Q -> B.                     *)
@@ -355,7 +374,7 @@ SpecNoGatherFairness == Init /\ [][Next]_vars /\ WF_vars(DrainAny) /\ WF_vars(Fe
 ---------------------------------------------------------------------------
 (* Properties.                                                             *)
 TypeOK ==
-    /\ next \in [Ranks -> Nat] /\ \A r \in Ranks : next[r] \in 1..(NV[r] + 1)
+    /\ next \in [Ranks -> Nat] /\ \A r \in Ranks : next[r] \in 1..(NV[r] + IF StreamOn THEN 2 ELSE 1)
     /\ \A r \in Ranks : Q[r] \subseteq Views(r) /\ E[r] \subseteq Views(r) /\ H[r] \subseteq Views(r)
     /\ \A r \in Ranks : B[r] \in Seq(Views(r))
     /\ consumed \in Nat /\ lastStep \in Nat /\ rounds \in Nat /\ done \in BOOLEAN
