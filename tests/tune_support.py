@@ -1,5 +1,5 @@
 """A tiny causal LM for ``odb tune``'s tests (``--model tune_support:tiny_lm``): its vocabulary
-(8192) dwarfs its width (32), so its step's memory grows with the tokens of a batch (logits),
+(4096) dwarfs its width (32), so its step's memory grows with the tokens of a batch (logits),
 not with their length alone: the worst padded shape is the one with the most tokens."""
 
 from __future__ import annotations
@@ -9,5 +9,5 @@ from torch import nn
 from odb_tools.demo.model import ModelConfig, TinyCausalLM
 
 
-def tiny_lm(vocab_size: int = 8192) -> nn.Module:
+def tiny_lm(vocab_size: int = 4096) -> nn.Module:
     return TinyCausalLM(ModelConfig(vocab_size=vocab_size, max_length=4096, d_model=32, n_layers=1, n_heads=2))

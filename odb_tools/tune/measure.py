@@ -21,6 +21,7 @@ import gc
 import json
 import os
 import resource
+import select
 import signal
 from dataclasses import dataclass
 
@@ -57,8 +58,10 @@ def train_step(model: nn.Module, shape: Shape, vocab_size: int, device: str, opt
         model.zero_grad(set_to_none=True)
 
 
-def measure_cpu(model: nn.Module, shape: Shape, vocab_size: int, optimizer: str = "none") -> Measurement:
-    """This process's RSS plus the growth of a forked child that runs :func:`train_step` (Linux)."""
+def measure_cpu(model: nn.Module, shape: Shape, vocab_size: int, optimizer: str = "none",
+                timeout: float = 3600.0) -> Measurement:
+    """This process's RSS plus the growth of a forked child that runs :func:`train_step` (Linux);
+    ``TimeoutError`` (the child killed) when it gives no result within ``timeout`` seconds."""
     parent = baseline_bytes("cpu")
     read_fd, write_fd = os.pipe()
     pid = os.fork()
@@ -78,6 +81,10 @@ def measure_cpu(model: nn.Module, shape: Shape, vocab_size: int, optimizer: str 
         os._exit(0)
     os.close(write_fd)
     with os.fdopen(read_fd, "rb") as f:
+        if not select.select([f], [], [], timeout)[0]:  # no report and no exit: a hung child
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise TimeoutError(f"measuring {shape.label()}: the forked child gave no result in {timeout:g} s")
         raw = f.read()
     _, status = os.waitpid(pid, 0)
     if os.WIFSIGNALED(status):
