@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from odb_core import ODBConfig
@@ -81,6 +82,15 @@ def stream_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], rank: 
     return int(state["epoch"]), [int(p) for p in state["consumed"]], int(state["steps"])
 
 
+def _chunk(samples: list[Any]) -> Any:
+    """A worker's chunk of consecutive elements: packed (one buffer per dtype) when they hold
+    tensors, else the list itself (plain values pickle faster than a walk over every leaf)."""
+    first = samples[0] if samples else None
+    if isinstance(first, dict) and any(isinstance(v, torch.Tensor) for v in first.values()):
+        return pack(samples)
+    return samples
+
+
 class StreamReader:
     """This rank's stream in order: :meth:`read` returns the element at a stream position
     (positions passed over are discarded: a resume's consumed ones), or None past the end."""
@@ -88,7 +98,7 @@ class StreamReader:
     def __init__(self, spec: CollateSpec) -> None:
         workers, self.rank, self.timeout = spec.num_workers, spec.rank, spec.timeout
         loader = DataLoader(
-            spec.dataset, batch_size=max(1, min(STREAM_CHUNK, MAX_CHUNK)), collate_fn=pack, num_workers=workers,
+            spec.dataset, batch_size=max(1, min(STREAM_CHUNK, MAX_CHUNK)), collate_fn=_chunk, num_workers=workers,
             prefetch_factor=spec.prefetch_factor if workers else None,
             multiprocessing_context=spec.worker_start_method if workers else None,
             worker_init_fn=DieWithParent(os.getpid()) if workers else None, timeout=spec.timeout if workers else 0)
@@ -111,7 +121,7 @@ class StreamReader:
 
     def _refill(self, s: int) -> None:
         try:
-            chunk: PackedChunk = next(self._it)
+            chunk = next(self._it)
         except StopIteration:
             self.count = self.position + len(self._buffer)
             self.close()
@@ -119,7 +129,7 @@ class StreamReader:
         except Exception as exc:
             raise SampleLoadError(f"rank {self.rank}: reading stream position {s} failed: "
                                   f"{describe_exception(exc)}", rank=self.rank, indices=(s,)) from None
-        self._buffer.extend(unpack(chunk))
+        self._buffer.extend(unpack(chunk) if isinstance(chunk, PackedChunk) else chunk)
 
     def close(self) -> None:
         """Release the DataLoader iterator (its workers shut down)."""
