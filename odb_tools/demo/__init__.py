@@ -29,7 +29,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 def run_demo(quick: bool = False, results: Path = Path("results"), world: int = 2, samples: int | None = None,
              seed: int = 0, progress: bool = True, methods: tuple[str, ...] = ("standard", "sorted", "odb", "odb-packed"),
              buffer_size: int | None = None, regroup_padding: float | None = 0.02) -> dict[str, Any]:
-    """Run every method in turn (each W spawned Gloo ranks); returns the summary
+    """Run every method in turn (on W spawned Gloo ranks, one spawn for all); returns the summary
     (``methods`` rows, ``config``, ``plots``) and writes it, the logs and the plots to ``results``.
 
     ``buffer_size`` overrides the preset's (it also sets the fixed batch size, ODB's
@@ -39,7 +39,7 @@ def run_demo(quick: bool = False, results: Path = Path("results"), world: int = 
     from odb_tools.demo.chat_data import ChatDataset
     from odb_tools.demo.model import ModelConfig
     from odb_tools.demo.report import plot, smoothed, summarize
-    from odb_tools.demo.train import RunConfig, run_rank
+    from odb_tools.demo.train import RunConfig, run_ranks
 
     preset = dict(PRESETS["quick" if quick else "full"])
     if buffer_size is not None:
@@ -58,16 +58,17 @@ def run_demo(quick: bool = False, results: Path = Path("results"), world: int = 
     model = ModelConfig(max_length=preset["max_length"], seed=seed, **preset["model"])
     runs: dict[str, dict[str, Any]] = {}
     results.mkdir(parents=True, exist_ok=True)
+    port = free_port(1 + len(methods))  # the ranks' group, then one ODB collate group per method
     with tempfile.TemporaryDirectory() as tmpdir:
-        for method in methods:
-            cfg = RunConfig(method=method, batch_size=batch_size, token_budget=preset["token_budget"],
-                            buffer_size=preset["buffer_size"], lr=preset["lr"], model=model, seed=seed,
-                            progress=progress, regroup_padding=regroup_padding,
-                            max_grad_norm=preset["max_grad_norm"],
-                            accumulation_steps=preset["accumulation_steps"])
-            out = str(Path(tmpdir, f"{method}.json"))
-            start_processes(run_rank, args=(world, free_port(4), cfg, data, out, probe), nprocs=world,  # type: ignore[no-untyped-call]
-                            start_method="spawn")
+        plan = [(RunConfig(method=method, batch_size=batch_size, token_budget=preset["token_budget"],
+                           buffer_size=preset["buffer_size"], lr=preset["lr"], model=model, seed=seed,
+                           progress=progress, regroup_padding=regroup_padding,
+                           max_grad_norm=preset["max_grad_norm"], accumulation_steps=preset["accumulation_steps"]),
+                 str(Path(tmpdir, f"{method}.json")), port + 1 + k) for k, method in enumerate(methods)]
+        # one spawn of W ranks runs every method in turn (each times only its own epoch)
+        start_processes(run_ranks, args=(world, port, plan, data, probe), nprocs=world,  # type: ignore[no-untyped-call]
+                        start_method="spawn")
+        for method, (_, out, _) in zip(methods, plan, strict=True):
             runs[method] = json.loads(Path(out).read_text())
     standard = runs.get("standard")
     standard_rate = standard["samples"] / standard["seconds"] if standard else None

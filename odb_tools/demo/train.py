@@ -112,14 +112,14 @@ def lr_at(base: float, seen: int, total: int, warmup: float = 0.1) -> float:
 
 
 def _loader(cfg: RunConfig, data: ChatDataset, rank: int, world: int, port: int) -> tuple[Any, int]:
-    """The method's loader and its number of steps per rank (ODB: unknown, -1)."""
+    """The method's loader and its number of steps per rank (ODB: unknown, -1; its collate group on ``port``)."""
     if cfg.method in ODB_METHODS:
         packed = ODB_METHODS[cfg.method] == "packed"
         config = ODBConfig(token_budget=cfg.token_budget // cfg.accumulation_steps, budget=ODB_METHODS[cfg.method],
                            buffer_size=cfg.buffer_size, seed=cfg.seed, regroup_padding=cfg.regroup_padding)
         odb = ODBDataLoader(data, config=config, collate_fn=packed_collate if packed else pad_collate,
                             num_workers=cfg.num_workers, loss_tokens_fn=shifted_loss_tokens,
-                            init_method=f"tcp://127.0.0.1:{port + 1}")
+                            init_method=f"tcp://127.0.0.1:{port}")
         return odb, -1
     if cfg.method == "sorted":
         sampler = LengthGroupedBatches(data.lengths(), cfg.batch_size, rank, world, cfg.seed)
@@ -160,17 +160,30 @@ def _micro_batches(cfg: RunConfig, loader: Any) -> Iterator[tuple[Any, float | N
             yield batch, None, int(batch["input_ids"].shape[0]), True
 
 
-def run_rank(rank: int, world: int, port: int, cfg: RunConfig, data: ChatDataset, out: str,
-             probe: ChatDataset | None = None) -> None:
-    """Train one epoch of ``data`` with ``cfg.method``; rank 0 writes the run's log to ``out``."""
+def run_ranks(rank: int, world: int, port: int, runs: list[tuple[RunConfig, str, int]], data: ChatDataset,
+              probe: ChatDataset | None = None) -> None:
+    """Each of ``runs`` (config, log file, ODB collate port) in turn in one process group on
+    ``port``: one spawn of W ranks for every method (each run builds its model afresh and
+    times only its own epoch, :func:`train`)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
+    try:
+        for cfg, out, collate_port in runs:
+            train(rank, world, cfg, data, out, probe, collate_port)
+    finally:
+        dist.destroy_process_group()
+
+
+def train(rank: int, world: int, cfg: RunConfig, data: ChatDataset, out: str, probe: ChatDataset | None,
+          collate_port: int) -> None:
+    """Train one epoch of ``data`` with ``cfg.method`` in the initialised process group; rank 0
+    writes the run's log to ``out``. The clock starts after a barrier, before the loader starts."""
     model = torch.nn.parallel.DistributedDataParallel(TinyCausalLM(cfg.model))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     dist.barrier()
     started = time.perf_counter()
-    loader, _ = _loader(cfg, data, rank, world, port)
+    loader, _ = _loader(cfg, data, rank, world, collate_port)
     log: list[dict[str, float]] = []
     seen = real = padded = 0
     update = torch.zeros(3, dtype=torch.float64)  # this update's summed loss, loss tokens, samples (every rank)
@@ -213,4 +226,3 @@ def run_rank(rank: int, world: int, port: int, cfg: RunConfig, data: ChatDataset
     if rank == 0:
         Path(out).write_text(json.dumps({"config": asdict(cfg), "seconds": seconds, "samples": seen, "final_loss": final,
                                          "real_tokens": real, "padded_tokens": padded, "log": log}))
-    dist.destroy_process_group()
