@@ -348,6 +348,7 @@ class CollateServer:
             loss_scale=s.loss_scale, weight_num=s.weight.numerator, weight_den=s.weight.denominator,
             over_budget=s.over_budget, indices=s.identities,
         )
+        self._flush_trace(driver)  # the trace covers every batch the trainer may have received
         self._put(Batch(batch, info, item.sampler_positions))
         return False
 
