@@ -2,7 +2,10 @@
 L_max + step does not, checked by this file's own measurement (a forked child's peak RSS
 over a forward + backward on the budget's most-token B(l) group, enumerated here). Two
 seeded bugs, a measurement that skips backward and a search that measures only the
-longest-l group, each report a budget that this check rejects."""
+longest-l group, each report a budget that this check rejects. Hypothesis: the padded
+shapes measured hold the frontier's worst under any memory a x tokens + b x tokens x length
+(a longest-only selection does not), the frontier covers every admitted group, and the
+search returns the largest fitting multiple of the step under a synthetic measurement."""
 
 from __future__ import annotations
 
@@ -14,13 +17,16 @@ import os
 import pytest
 import torch
 import tune_support  # tests/tune_support.py
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import odb_tools.tune.search as search_mod
 from odb_tools.cli import main
 from odb_tools.tune import tune
-from odb_tools.tune.measure import warm_up
+from odb_tools.tune.measure import Measurement, warm_up
 from odb_tools.tune.model import call_loss
-from odb_tools.tune.shapes import Shape
+from odb_tools.tune.search import Search, find_budget
+from odb_tools.tune.shapes import Shape, padded_frontier, worst_shapes
 
 CUTOFF, STEP, START = 400, 64, 512
 HEADROOM = 32 * 2**20  # over the process's RSS once the model is built and warmed up
@@ -120,3 +126,43 @@ def test_seeded_bugs_report_a_budget_the_property_rejects(model_and_limit, monke
         patch.setattr(search_mod, "worst_shapes", lambda *a, **k: real_shapes(*a, **k)[:1])
         longest_only = tune(model, limit, CUTOFF, step=STEP, start=START, optimizer="none", max_shapes=3)
     assert budget_is_tight(model, limit, longest_only["token_budget"]) != []
+
+
+def _misses_worst(select, token_budget: int, cutoff: int, a: float, b: float) -> bool:
+    """Whether ``select``'s shapes miss the padded frontier's worst under memory a x tokens + b x tokens x length."""
+    def cost(s: Shape) -> float:
+        return a * s.tokens + b * s.tokens * s.length
+    return max(map(cost, select("padded", token_budget, cutoff))) < max(map(cost, padded_frontier(token_budget, cutoff)))
+
+
+@given(st.integers(1, 3000), st.integers(1, 3000), st.floats(0, 1), st.floats(0, 1))
+def test_the_measured_padded_shapes_hold_the_worst_of_the_frontier(token_budget, cutoff, a, b):
+    assert not _misses_worst(worst_shapes, token_budget, cutoff, a, b)
+    # the frontier covers every admitted group: each [size, l] (l <= cut-off, size x l <= L_max or size 1) fits inside one
+    frontier = padded_frontier(token_budget, cutoff)
+    for n in range(1, min(cutoff, token_budget) + 1, max(1, min(cutoff, token_budget) // 50)):
+        size = max(token_budget // n, 1)
+        assert any(s.batch >= size and s.length >= n for s in frontier), (size, n)
+
+
+def test_a_selection_of_the_longest_group_only_misses_the_worst():
+    longest_only = lambda *args: worst_shapes(*args)[:1]  # noqa: E731 - seeded bug
+    assert _misses_worst(longest_only, 100, 60, 1.0, 0.0)  # [1, 60]: 60 tokens, [2, 50]: 100
+
+
+@settings(max_examples=40)
+@given(st.integers(16, 200), st.integers(1, 1024), st.integers(1, 400), st.floats(0, 1), st.floats(0, 0.01),
+       st.integers(0, 1500))
+def test_search_returns_the_largest_fitting_multiple_of_step(step, start, cutoff, a, b, headroom):
+    def measure(model, shape, vocab, optimizer):
+        return Measurement(shape, int(a * shape.tokens + b * shape.tokens * shape.length))
+    max_budget = 1024
+    search = Search(torch.nn.Embedding(8, 2), headroom, "padded", cutoff, "cpu", "none", 8, measure)
+    found, nxt = find_budget(search, step, start, max_budget)
+    first = max(step, start // step * step)
+    fitting = [n for n in range(first, max_budget + 1, step) if search.fits(n)]
+    if not search.fits(first):
+        assert found is None and nxt == first
+        return
+    assert found == max(fitting) and all(n in fitting for n in range(first, found + 1, step))  # monotone up to it
+    assert nxt is None or (nxt == found + step and not search.fits(nxt))

@@ -107,6 +107,8 @@ def tune(model: nn.Module, limit: int, cutoff: int, budget: str = "padded", devi
     per-budget verdicts and every shape's measurement."""
     if limit <= 0 or step < 1 or cutoff < 1:
         raise ValueError(f"limit, step and cut-off must be positive, got {limit}, {step}, {cutoff}")
+    if max(start or step, step) > max_budget:
+        raise ValueError(f"the first budget {max(start or step, step)} is past max_budget {max_budget}")
     search = Search(model, limit, budget, cutoff, device, optimizer, max_shapes, measure)
     warm_up(model, search.vocab, device, optimizer)
     found, nxt = find_budget(search, step, start or step, max_budget)

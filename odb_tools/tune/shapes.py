@@ -7,7 +7,8 @@ at the cut-off length C) is always admitted. Beyond it:
   l <= C. For each batch size b only the longest l with B(l) = b matters (memory grows with
   both dimensions), so the candidates are the frontier l in {floor(L_max/b)} capped at C:
   about 2 sqrt(L_max) shapes. Which is worst depends on the model (attention grows with l,
-  logits and activations with b x l, which is L_max only when l divides it), so they are measured.
+  logits and activations with b x l, which is L_max only when l divides it): the few that
+  could be worst are measured (:func:`worst_shapes`).
 * ``packed`` (sum of lengths <= L_max): one row ``[1, L_max]`` of sequences of C tokens,
   ``position_ids`` restarting at each (the last one shorter).
 """
@@ -66,9 +67,11 @@ def padded_frontier(token_budget: int, cutoff: int) -> list[Shape]:
 
 def worst_shapes(budget: str, token_budget: int, cutoff: int, max_shapes: int | None = 8) -> list[Shape]:
     """The shapes to measure for ``token_budget``, likely worst first: the lone sample at the
-    cut-off when it exceeds L_max; then the packed row, or the padded frontier: all of it when
-    ``max_shapes`` is None or it is no longer, else its longest l, its most tokens (longest
-    l first among equals) and its most rows ([L_max, 1])."""
+    cut-off when it exceeds L_max; then the packed row, or of the padded frontier (all of it
+    when ``max_shapes`` is None) the shapes no other beats on both tokens and tokens x length,
+    then its most rows ([L_max, 1]). A memory of the form a x tokens + b x tokens x length + c
+    (a, b >= 0: activations and logits, attention scores) peaks on one of the former; a cost
+    per row, on the latter. Past ``max_shapes`` the longest-l and most-token ones are kept."""
     if budget not in ("padded", "packed"):
         raise ValueError(f"unknown budget {budget!r} (padded or packed)")
     if token_budget < 1 or cutoff < 1:
@@ -77,7 +80,15 @@ def worst_shapes(budget: str, token_budget: int, cutoff: int, max_shapes: int | 
     if budget == "packed":
         return [*out, Shape("packed", 1, token_budget, cutoff)]
     frontier = padded_frontier(token_budget, cutoff)
-    if max_shapes is None or len(frontier) <= max_shapes:
+    if max_shapes is None:
         return out + frontier
-    by_tokens = sorted(frontier[1:-1], key=lambda s: (-s.tokens, -s.length))[: max(max_shapes - 2, 0)]
-    return [*out, frontier[0], *by_tokens, frontier[-1]]
+    best = 0  # frontier runs from the longest l down: a shape is kept when it has more tokens than every longer one
+    kept = []
+    for shape in frontier:
+        if shape.tokens > best:
+            kept.append(shape)
+            best = shape.tokens
+    if len(kept) > max(max_shapes - 1, 1):
+        kept = [kept[0], *kept[len(kept) - max(max_shapes - 2, 0):]] if max_shapes > 2 else kept[:1]
+    rows = [frontier[-1]] if frontier[-1] not in kept else []
+    return out + kept + rows
