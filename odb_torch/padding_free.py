@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from odb_core.errors import PackedAttentionError
+from odb_core.errors import InvalidSampleError, PackedAttentionError
 
 IGNORE_INDEX = -100
 
@@ -49,16 +49,18 @@ def packed_collate(samples: Sequence[Mapping[str, Any]], label_pad_id: int = IGN
     row counts exactly each sample's shifted labels (``losses.shifted_loss_tokens``, P7).
     No ``attention_mask`` (a 2D mask would stop ``transformers`` from separating the samples;
     one the samples carry is left out, as the row has no padding to mask). Any other field
-    goes through torch's ``default_collate``, as in ``pad_collate``.
+    goes through torch's ``default_collate``, as in ``pad_collate``. Labels of another length
+    than a sample's ``input_ids`` raise :class:`~odb_core.errors.InvalidSampleError` naming the
+    sample's place in the group (the loader adds the dataset indices: ``CollateFnError``).
     """
     if not samples:
-        raise ValueError("packed_collate needs at least one sample")
+        raise InvalidSampleError("packed_collate needs at least one sample")
     ids = [torch.as_tensor(s["input_ids"], dtype=torch.int64).reshape(-1) for s in samples]
     labels = []
     for k, (s, row) in enumerate(zip(samples, ids, strict=True)):
         lab = torch.as_tensor(s["labels"], dtype=torch.int64).reshape(-1).clone() if "labels" in s else row.clone()
         if len(lab) != len(row):
-            raise ValueError(f"sample {k} of the group: {len(lab)} labels for {len(row)} input_ids")
+            raise InvalidSampleError(f"sample {k} of the group: {len(lab)} labels for {len(row)} input_ids")
         lab[:1] = label_pad_id
         labels.append(lab)
     lengths = torch.tensor([len(r) for r in ids], dtype=torch.int32)

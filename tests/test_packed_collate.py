@@ -55,7 +55,9 @@ def test_the_row_equals_hugging_faces_flattening_collator():
 
 
 def test_labels_of_another_length_name_the_sample():
-    with pytest.raises(ValueError, match="sample 1 of the group: 2 labels for 3 input_ids"):
+    from odb_core.errors import InvalidSampleError
+
+    with pytest.raises(InvalidSampleError, match="sample 1 of the group: 2 labels for 3 input_ids"):
         packed_collate([{"input_ids": [1]}, {"input_ids": [1, 2, 3], "labels": [1, 2]}])
 
 
