@@ -53,7 +53,7 @@ SIZES: dict[str, dict[str, Any]] = {
              "dtype": "bfloat16"},
     "tiny": {"model": {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                        "num_attention_heads": 2, "num_key_value_heads": 1, "tie_word_embeddings": True},
-             "samples": 32, "max_length": 128, "token_budget": 512, "buffer_size": 16, "workers": 1,
+             "samples": 32, "max_length": 128, "token_budget": 512, "buffer_size": 16, "workers": 0,
              "dtype": "float32", "threads": 1},
 }
 
