@@ -267,6 +267,8 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _add_tune(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from odb_core.config import BUDGETS
+
     p = sub.add_parser("tune", help="the largest token budget L_max whose worst batch shapes fit a memory limit")
     p.add_argument("--model", required=True,
                    help="a transformers config JSON, a transformers model type (llama, qwen2, ...) or module:callable")
@@ -274,7 +276,7 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
                    help="a config override (model type / JSON) or a keyword of the callable; repeatable")
     p.add_argument("--memory", required=True, help="the memory limit: peak RSS on CPU, peak allocated on GPU (24GiB, 800MB)")
     p.add_argument("--max-length", type=int, required=True, help="the cut-off: the longest sample, in tokens")
-    p.add_argument("--budget", choices=("padded", "packed"), default="padded", help="ODBConfig.budget (default padded)")
+    p.add_argument("--budget", choices=BUDGETS, default="padded", help="ODBConfig.budget (default padded)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when available")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--optimizer", choices=("none", "sgd", "adamw"), default="adamw",

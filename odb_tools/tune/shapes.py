@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from odb_core.config import BUDGETS
+
 
 @dataclass(frozen=True, order=True)
 class Shape:
@@ -72,8 +74,8 @@ def worst_shapes(budget: str, token_budget: int, cutoff: int, max_shapes: int | 
     then its most rows ([L_max, 1]). A memory of the form a x tokens + b x tokens x length + c
     (a, b >= 0: activations and logits, attention scores) peaks on one of the former; a cost
     per row, on the latter. Past ``max_shapes`` the longest-l and most-token ones are kept."""
-    if budget not in ("padded", "packed"):
-        raise ValueError(f"unknown budget {budget!r} (padded or packed)")
+    if budget not in BUDGETS:
+        raise ValueError(f"unknown budget {budget!r} (one of {', '.join(BUDGETS)})")
     if token_budget < 1 or cutoff < 1:
         raise ValueError(f"token budget and cut-off must be >= 1, got {token_budget}, {cutoff}")
     out = [Shape("single", 1, cutoff, cutoff)] if cutoff > token_budget else []
