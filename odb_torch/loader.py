@@ -194,6 +194,9 @@ class ODBDataLoader:
         ``unconsumed=k`` gives the position before the last ``k`` yielded batches, for a
         wrapper that reads ahead (at most 64): they are emitted again after a resume.
         Join mode only: a non-join epoch chains iterations and may not yield every view.
+        With a plain ``DistributedSampler`` it also records the epoch's global order (``total``,
+        ``order_world``; after an elastic resume the global positions dealt to this rank,
+        ``views``, and ``pool``), so that every rank's states resume on another world size.
         """
         if self.config.mode != "join":
             raise NotImplementedError("state_dict/load_state_dict resume mid-epoch in join mode only; "
