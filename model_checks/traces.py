@@ -210,7 +210,7 @@ def trace_module(traces: Sequence[Trace]) -> str:
         o = f"O_{k}"
         fails = " \\o ".join(f'Fails({o}!{inv}, "{inv}")' for inv in INVARIANTS[1:])
         defs.append(
-            f"{o} == INSTANCE ODB WITH {subst}\n"
+            f"{o} == INSTANCE {'ODBStream' if tr.scenario.stream else 'ODB'} WITH {subst}\n"
             f"Replay_{k}(a, P) ==\n"
             f"    CASE a = \"Fetch\" -> \\E r \\in {o}!Ranks : {o}!Fetch(r)\n"
             f"      [] a = \"Drain\" -> \\E r \\in {o}!Ranks : \\E p \\in Q[r] : {o}!Drain(r, p)\n"
@@ -233,6 +233,15 @@ def trace_module(traces: Sequence[Trace]) -> str:
     )
 
 
+def stream_module() -> str:
+    """ODB with streams on (``StreamOn == TRUE``), as module ODBStream: trace instances of
+    streamed runs (INSTANCE substitutes constants only, not definitions)."""
+    text = (SPEC_DIR / "ODB.tla").read_text()
+    if text.count("StreamOn == FALSE") != 1:
+        raise RuntimeError("spec/ODB.tla: expected one 'StreamOn == FALSE' definition")
+    return text.replace("MODULE ODB ", "MODULE ODBStream ", 1).replace("StreamOn == FALSE", "StreamOn == TRUE")
+
+
 _FIELD = re.compile(r"^/\\ (t|i|fail) = (.*)$", re.M)
 
 
@@ -243,6 +252,7 @@ def _run_batch(traces: Sequence[Trace]) -> dict[int, tuple[int, tuple[str, ...]]
         tmp = Path(tmpname)
         shutil.copy(SPEC_DIR / "ODB.tla", tmp / "ODB.tla")
         shutil.copy(SPEC_DIR / "TraceCheck.tla", tmp / "TraceCheck.tla")
+        (tmp / "ODBStream.tla").write_text(stream_module())
         (tmp / "TraceData.tla").write_text(trace_module(traces))
         (tmp / "TraceCheck.cfg").write_text("INIT Init\nNEXT Next\n")
         # no separate SANY run: TLC parses the modules itself (about half of a batch's time
@@ -407,7 +417,7 @@ class MergeError(ValueError):
 
 #: the gather fields every rank must report alike (the round's shared decisions)
 SHARED_GATHER_FIELDS = ("round", "target", "ended", "consumed", "last_step", "done")
-_LOCAL = ("iteration", "fetch", "arrive")
+_LOCAL = ("iteration", "fetch", "arrive", "stream_end")
 
 
 def _split_rank(r: int, log: Sequence[Mapping[str, Any]]) -> tuple[list[list[Mapping[str, Any]]],
@@ -486,6 +496,7 @@ def merge(logs: Sequence[Sequence[Mapping[str, Any]]], name: str = "run") -> Tra
 
     # the constants: views per rank (fixed across iterations) and lengths (from arrivals)
     nv: list[int] = []
+    stream_ranks: set[int] = set()
     lengths: list[dict[int, tuple[int, int]]] = [{} for _ in range(world)]
     for r in range(world):
         segments = split[r][0][: n_gathers + 1]
@@ -493,13 +504,18 @@ def merge(logs: Sequence[Sequence[Mapping[str, Any]]], name: str = "run") -> Tra
         if len(views) > 1:
             raise MergeError(f"rank {r}: logical iterations over {sorted(views)} views; the spec's NV is fixed")
         nv.append(views.pop() if views else 0)
+        if nv[r] < 0:  # a stream: NV is where it ended (or what was fetched, in a run cut before)
+            ends = [int(ev["pos"]) for seg in segments for ev in seg if ev["ev"] == "stream_end"]
+            fetched = [p for seg in segments for ev in seg if ev["ev"] == "fetch" for p in ev["positions"]]
+            nv[r] = ends[0] if ends else max(fetched, default=-1) + 1
+            stream_ranks.add(r)
         iteration = 0
         for seg in segments:
             for ev in seg:
                 if ev["ev"] == "iteration":
                     iteration = int(ev["iteration"])
                 elif ev["ev"] == "fetch":
-                    bad = [p for p in ev["positions"] if not 0 <= p < nv[r]]
+                    bad = [p for p in ev["positions"] if not 0 <= p < nv[r] and r not in stream_ranks]
                     if bad:
                         raise MergeError(f"rank {r}: fetched positions {bad} outside 0..{nv[r] - 1}")
                 elif ev["ev"] == "arrive":
@@ -520,6 +536,7 @@ def merge(logs: Sequence[Sequence[Mapping[str, Any]]], name: str = "run") -> Tra
         capacity=int(cfg.get("output_capacity") or 0), join=join, overflow=str(cfg["overflow_policy"]),
         policy=str(cfg["target_policy"]), dataset_size=None if join else quota,
         regroup=(int(regroup[0]), int(regroup[1])), budget_kind=str(cfg.get("budget", "padded")),
+        stream=bool(stream_ranks),
     )
 
     # the behaviour
@@ -552,8 +569,10 @@ def merge(logs: Sequence[Sequence[Mapping[str, Any]]], name: str = "run") -> Tra
                 if ev["ev"] == "fetch":
                     if not ev["positions"]:
                         continue
-                    q[r].update(p + 1 for p in ev["positions"])
+                    q[r].update(p + 1 for p in ev["positions"] if p < nv[r])
                     nxt[r] = max(nxt[r], max(ev["positions"]) + 2)
+                    if r in stream_ranks and max(ev["positions"]) >= nv[r]:
+                        nxt[r] = nv[r] + 2  # the fetch reached past the stream's end (spec: the end is known)
                     push("Fetch")
                 elif ev["ev"] == "arrive":
                     q[r].discard(int(ev["pos"]) + 1)

@@ -6,6 +6,7 @@ pipeline, and a plain ``IterableDataset`` generator with an empty stream on one 
 Each run asserts, over every element: every rank yields the same number of steps, every
 element of every rank's stream is yielded exactly once (audit by the records' ids), each
 rank yields only its own shard, and every batch of >= 2 samples fits the token budget.
+The W=2 runs are traced and their merged per-rank logs replayed by TLC over the stream spec.
 A resumed run (``state_dict`` mid-epoch, ``load_state_dict`` on a new loader) must together
 with the run it continues yield every element exactly once. No process or /dev/shm entry
 may be left behind (``run_ranks``).
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 from stream_support import BUDGET, stream_rank_main, write_files
 from test_torch_loader import run_ranks
+from torch_support import check_real_traces
 
 from odb_core import ODBConfig
 from odb_core.errors import ResumeStateError, UnsupportedSettingError
@@ -65,7 +67,7 @@ def test_streams_at_w2_jsonl_parquet_generator_and_resume_every_element_once(tmp
         {"name": "parquet", "source": "parquet", "files": parquet, "resume_after": 3},
         {"name": "generator", "source": "generator", "ids": gen_ids, "idle_sample": idle, "workers": 2, "epoch": 5},
     ]}
-    results = run_ranks(2, task, tmp_path, target=stream_rank_main, timeout=150)
+    results = run_ranks(2, task, tmp_path, target=stream_rank_main, timeout=150, trace=True)
     audit(results, "jsonl", sum(jsonl_sizes))
     audit(results, "parquet", sum(parquet_sizes))
     gen = audit(results, "generator", 57)
@@ -74,6 +76,7 @@ def test_streams_at_w2_jsonl_parquet_generator_and_resume_every_element_once(tmp
     states = [res["runs"]["parquet"]["state"] for res in results]
     held = [set(range(max(st["consumed"], default=-1) + 1)) - set(st["consumed"]) for st in states]
     assert any(held), "the checkpoint held no element read but not yet yielded (nothing to re-deliver)"
+    check_real_traces(tmp_path / "traces")  # every streamed epoch (4 per rank) replayed by TLC
 
 
 def test_streams_at_w3_jsonl_per_example_split_with_workers(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 unknown until a fetch reaches past its end. TLC checks the quick stream configurations
 (spec/cfg/streams/: uneven streams of 3, 2 and 0 views; every invariant and Termination), catches
 the seeded bug M8 (the end mapped one position early: NoLeak), and the core's stream state
-space equals the spec's on a stream scenario (every state and transition).
+space equals the spec's on a stream scenario (every state and transition); streamed runs'
+trace events replay in TLC, and a seeded bug's are rejected.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ import pytest
 
 from model_checks import conformance
 from model_checks.suites import CFG_DIR, run_config
+from model_checks.traces import merge, replay
+from odb_core import ODBConfig, RankProtocol
+from odb_core.epoch import EpochDriver
+from odb_core.stream_sim import simulate_streams
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -40,3 +45,42 @@ def test_core_and_spec_stream_state_spaces_are_equal() -> None:
     assert result.transitions_equal
     known = conformance.enumerate_core(conformance.Scenario("k", scenario.lengths, shuffle=False))[0]
     assert result.python_states != len(known), "the stream scenario is the known-length one: the check is vacuous"
+
+
+def _traced(base: type[EpochDriver], logs: list[list[dict]]) -> type[EpochDriver]:
+    """``base`` recording each rank's trace events into ``logs[rank]``."""
+
+    class Traced(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: object, **kw: object) -> None:
+            logs.append([])
+            super().__init__(*args, trace=logs[-1], **kw)  # type: ignore[arg-type]
+
+    return Traced
+
+
+def test_streamed_traces_replay_in_tlc_and_a_seeded_bug_is_rejected() -> None:
+    """Trace events of stream ranks (a fetch past the end, then ``stream_end``) merged into
+    behaviours of the stream spec: the real driver's are accepted, those of a driver whose end
+    forgets the last element still in flight (it is never yielded, as in M8) are rejected."""
+    config = ODBConfig(token_budget=10, buffer_size=2, depth=3, shuffle_steps=False)
+    streams = [[1, 4], [2, 2], []]
+    good: list[list[dict]] = []
+    simulate_streams(streams, config, 3, driver_cls=_traced(EpochDriver, good))
+    bad: list[list[dict]] = []
+    simulate_streams(streams, config, 3, driver_cls=_traced(EndForgetsLast, bad))
+    traces = [merge(good, "good"), merge(bad, "bad")]
+    assert traces[0].scenario.stream and traces[0].scenario.lengths[2] == ()
+    verdicts = replay(traces)
+    assert verdicts[0].accepted, verdicts[0].describe()
+    assert not verdicts[1].accepted and "Shape" not in verdicts[1].reasons, verdicts[1].describe()
+
+
+class EndForgetsLastProtocol(RankProtocol):
+    """Seeded bug: the end also forgets the stream's last element if it is still in flight."""
+
+    def end(self, n: int) -> None:
+        super().end(n)
+        self._inflight.discard(n - 1)
+
+
+EndForgetsLast = type("EndForgetsLast", (EpochDriver,), {"protocol_cls": EndForgetsLastProtocol})
