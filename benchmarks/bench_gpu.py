@@ -8,8 +8,9 @@ from the same initial weights over the same samples:
 * ``sorted``: length-grouped fixed-size batches (the demo's ``LengthGroupedBatches``);
 * ``odb``: ``ODBDataLoader``, padded budget (max_len x size <= L_max, P3);
 * ``odb_packed``: ``ODBDataLoader`` with ``ODBConfig(budget="packed")`` (sum of lengths <= L_max),
-  each group flattened into one row with ``position_ids`` restarting per sequence (from which
-  ``transformers`` builds a block-diagonal attention mask: no attention across sequences).
+  each group one padding-free row (``odb_torch.packed_collate``: ``position_ids`` restarting per
+  sequence, from which ``transformers`` builds a per-sequence mask; ``check_packed_attention``
+  confirms the model keeps the sequences apart, so the config sets ``use_cache=False``).
 
 The fixed batch size is ODB's expected samples per step, so all make about as many steps.
 Per method: samples/s and real tokens/s (end to end, from building the loader to the last
@@ -42,6 +43,7 @@ from odb_tools.demo.train import LengthGroupedBatches
 from odb_torch.collate import pad_collate
 from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import shifted_loss_tokens
+from odb_torch.padding_free import check_packed_attention, packed_collate
 
 METHODS = ("standard", "sorted", "odb", "odb_packed")
 QWEN_VOCAB = 151936
@@ -91,24 +93,6 @@ class ChatSamples(Dataset):  # type: ignore[type-arg]
         return {"input_ids": input_ids, "labels": labels}
 
 
-def flatten_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """One row ``[1, sum of lengths]``: ids and labels concatenated, each sequence's first label
-    -100 (no loss across a boundary), ``position_ids`` restarting at 0 per sequence."""
-    ids = torch.cat([torch.as_tensor(s["input_ids"]) for s in samples])
-    labels = torch.cat([torch.cat([torch.tensor([-100]), torch.as_tensor(s["labels"])[1:]]) for s in samples])
-    pos = torch.cat([torch.arange(len(s["input_ids"])) for s in samples])
-    return {"input_ids": ids[None], "labels": labels[None], "position_ids": pos[None]}
-
-
-def packed_collate_fn() -> Any:
-    """``odb_torch.packed_collate`` once it exists, else :func:`flatten_collate`."""
-    try:
-        from odb_torch.collate import packed_collate  # type: ignore[attr-defined]
-    except ImportError:
-        return flatten_collate
-    return packed_collate
-
-
 def fixed_batch_size(lengths: list[int], token_budget: int, buffer_size: int) -> int:
     """ODB's expected samples per step under the padded budget (groups formed per buffer window)."""
     groups = sum(len(form("padded", lengths[k:k + buffer_size], token_budget)) for k in range(0, len(lengths), buffer_size))
@@ -121,7 +105,7 @@ def loader_for(method: str, data: ChatSamples, size: dict[str, Any], batch_size:
     if method in ("odb", "odb_packed"):
         budget: Literal["padded", "packed"] = "packed" if method == "odb_packed" else "padded"
         config = ODBConfig(token_budget=size["token_budget"], budget=budget, buffer_size=size["buffer_size"], seed=seed)
-        return ODBDataLoader(data, config=config, collate_fn=packed_collate_fn() if budget == "packed" else pad_collate,
+        return ODBDataLoader(data, config=config, collate_fn=packed_collate if budget == "packed" else pad_collate,
                              num_workers=workers, loss_tokens_fn=shifted_loss_tokens, rank=0, world_size=1)
     if method == "sorted":
         sampler = LengthGroupedBatches(data.lengths, batch_size, 0, 1, seed)
@@ -137,7 +121,7 @@ def build_model(size: dict[str, Any], device: str, seed: int) -> torch.nn.Module
     from transformers.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    model: torch.nn.Module = Qwen2ForCausalLM(Qwen2Config(**size["model"]))
+    model: torch.nn.Module = Qwen2ForCausalLM(Qwen2Config(**size["model"], use_cache=False))
     model.to(device=device, dtype=getattr(torch, size["dtype"]))
     return model.train()
 
@@ -162,8 +146,10 @@ class PeakMemory:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
-def _on(batch: dict[str, Any], device: str) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+def _on(batch: dict[str, Any], device: str) -> dict[str, Any]:
+    """The batch's model inputs on ``device`` (tensors moved; ints such as ``max_length_q`` kept)."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+            if isinstance(v, torch.Tensor | int)}
 
 
 def _steps(loader: Iterable[Any]) -> Iterator[dict[str, Any]]:
@@ -178,6 +164,8 @@ def train_method(method: str, data: ChatSamples, size: dict[str, Any], batch_siz
                  seed: int) -> dict[str, Any]:
     """One epoch of ``data`` with ``method`` from fresh weights; the method's row."""
     model = build_model(size, device, seed)
+    if method == "odb_packed":
+        check_packed_attention(model)  # raises if the sequences of a packed row could attend to each other
     parameters = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     warm = _on(pad_collate([data[0], data[1]]), device)  # untimed: kernels, allocator, optimizer state
