@@ -102,13 +102,17 @@ def find_budget(search: Search, step: int, start: int, max_budget: int) -> tuple
 def tune(model: nn.Module, limit: int, cutoff: int, budget: str = "padded", device: str = "cpu", step: int = 128,
          start: int | None = None, max_budget: int = 1 << 20, optimizer: str = "adamw", max_shapes: int | None = 8,
          measure: Measure | None = None) -> dict[str, Any]:
-    """The largest L_max (a multiple of ``step``) whose worst shapes fit ``limit`` bytes, as a JSON-ready dict:
+    """The largest L_max (a multiple of ``step``) whose worst shapes fit ``limit`` bytes, as a JSON-ready dict
+    (a ``transformers`` model's ``config.use_cache`` is set False, as in training):
     ``token_budget`` (None if not even ``start`` fits), ``next_budget`` (measured not to fit), the
     per-budget verdicts and every shape's measurement."""
     if limit <= 0 or step < 1 or cutoff < 1:
         raise ValueError(f"limit, step and cut-off must be positive, got {limit}, {step}, {cutoff}")
     if max(start or step, step) > max_budget:
         raise ValueError(f"the first budget {max(start or step, step)} is past max_budget {max_budget}")
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):  # training runs without a KV cache, and a packed row needs it off
+        config.use_cache = False  # type: ignore[union-attr]  # (odb_torch.check_packed_attention)
     search = Search(model, limit, budget, cutoff, device, optimizer, max_shapes, measure)
     warm_up(model, search.vocab, device, optimizer)
     found, nxt = find_budget(search, step, start or step, max_budget)
