@@ -232,6 +232,7 @@ class ODBDataLoader:
         if isinstance(self.sampler, StreamSampler):  # same world only (ResumeStateError otherwise)
             self._resume = stream_resume(state, self.rank, self.world_size, self.config.seed)
             self.epoch = self._resume[0]
+            self._hold_resumed_position()
             return
         if isinstance(state, Mapping) and state.get("kind") != "odb-global" and (
                 state.get("world_size") == self.world_size):
@@ -248,6 +249,15 @@ class ODBDataLoader:
         if share is not None or self._elastic is not None:
             self.close()  # the collate process holds the sampler it started with
         self._elastic = share
+        self._hold_resumed_position()
+
+    def _hold_resumed_position(self) -> None:
+        """Until the resumed epoch yields, :meth:`state_dict` is the loaded position (a checkpoint
+        taken right after a resume must not forget what the first run consumed)."""
+        assert self._resume is not None
+        _, consumed, steps = self._resume
+        self._consumed, self._steps = list(consumed), steps
+        self._recent.clear()
 
     def _start(self) -> None:
         sampler = self.sampler if self._elastic is None else ElasticOrder(

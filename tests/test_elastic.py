@@ -222,6 +222,29 @@ def test_elastic_resume_refuses_a_custom_sampler_a_non_join_loader_and_a_lone_st
     assert resumed._elastic is not None and resumed._elastic.views == tuple(range(4, 24))[2::3]
 
 
+def test_a_checkpoint_taken_right_after_a_resume_keeps_what_the_first_run_consumed() -> None:
+    """state_dict() between load_state_dict() and the first yield is the loaded position, on the
+    same world size and after an elastic resume (a fresh loader's empty position would make the
+    next resume repeat every view the first run yielded)."""
+    same = loader(2, rank=1)
+    saved = {"rank": 1, "world_size": 2, "epoch": 1, "steps": 3, "seed": 0, "consumed": [0, 2, 5]}
+    same.load_state_dict(saved)
+    again = same.state_dict()
+    assert (again["epoch"], again["steps"], again["consumed"]) == (1, 3, [0, 2, 5])
+    states = [dict(s, seed=0, total=24, world_size=2) for s in good_states()[:2]]
+    elastic = loader(3, rank=2)
+    elastic.load_state_dict(states)
+    merged = merge_states([loader_state for loader_state in (_resumed_state(r, states) for r in range(3))])
+    assert merged.steps == 3 and sorted(merged.consumed) == [0, 1, 2, 3]
+    assert elastic.state_dict()["steps"] == 3 and elastic.state_dict()["consumed"] == []
+
+
+def _resumed_state(rank: int, states: list[dict[str, Any]]) -> dict[str, Any]:
+    resumed = loader(3, rank=rank)
+    resumed.load_state_dict(states)
+    return resumed.state_dict()
+
+
 # ---- the spec: ODB from a consumed set, redistributed over W' ranks (spec/Elastic.tla) -------------
 
 ELASTIC_CFGS = sorted(p for p in (Path(__file__).resolve().parents[1] / "spec" / "cfg" / "elastic").glob("*.cfg")
