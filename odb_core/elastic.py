@@ -118,6 +118,12 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> GlobalState:
     """
     if not states:
         raise ResumeStateError("no loader state to merge", field="rank")
+    streamed = [int(s.get("rank", -1)) for s in states if s.get("stream")]
+    if streamed:
+        raise ResumeStateError(
+            "a stream checkpoint resumes only on the world size it was taken on: each rank's stream is its shard "
+            "at that world size, and the shards at another one hold other elements; resume on the same number "
+            "of ranks, or at an epoch boundary", field="world_size", ranks=streamed)
     _check_ranks(states)
     agreed = _agreed(states)
     owner: dict[int, int] = {}  # global position -> the rank whose order holds it

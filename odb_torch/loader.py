@@ -214,6 +214,8 @@ class ODBDataLoader:
             state.update(views=list(share.views), pool=share.pool, order_world=share.order_world, total=share.total)
         elif type(self.sampler) is DistributedSampler:  # the global order is known: elastic resume possible
             state.update(order_world=self.world_size, total=order_total(self.sampler, self.world_size))
+        elif isinstance(self.sampler, StreamSampler):  # positions in this rank's stream: same world size only
+            state["stream"] = True
         return state
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:

@@ -26,7 +26,14 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from odb_core import ODBConfig
 from odb_core.epoch import Delivery, EpochDriver, LoopEnd
-from odb_core.errors import CollateProcessError, ODBError, ResumeStateError, SampleLoadError, UnsupportedSettingError
+from odb_core.errors import (
+    CollateProcessError,
+    InvalidSampleError,
+    ODBError,
+    ResumeStateError,
+    SampleLoadError,
+    UnsupportedSettingError,
+)
 from odb_torch.collate_process import MAX_CHUNK, CollateServer, CollateSpec
 from odb_torch.messages import EpochEnd, StartEpoch
 from odb_torch.process_guard import DieWithParent
@@ -91,9 +98,13 @@ def _chunk(samples: list[Any]) -> Any:
     return samples
 
 
+END: Any = object()
+"""What :meth:`StreamReader.read` returns past the stream's end (``None`` may be an element)."""
+
+
 class StreamReader:
     """This rank's stream in order: :meth:`read` returns the element at a stream position
-    (positions passed over are discarded: a resume's consumed ones), or None past the end."""
+    (positions passed over are discarded: a resume's consumed ones), or :data:`END` past the end."""
 
     def __init__(self, spec: CollateSpec) -> None:
         workers, self.rank, self.timeout = spec.num_workers, spec.rank, spec.timeout
@@ -106,18 +117,29 @@ class StreamReader:
         self._buffer: deque[Any] = deque()
         self.position = 0  # the stream position of self._buffer[0]
         self.count: int | None = None  # the stream's length, once a read found its end
+        self.first: Any = END  # the stream's first element, read or passed over (a resumed rank's idle template)
 
     def read(self, s: int) -> Any:
-        """The element at stream position ``s`` (increasing across calls), or None past the end."""
+        """The element at stream position ``s`` (increasing across calls), or :data:`END` past the
+        end. Positions passed over are dropped chunk by chunk (a resume re-reads the consumed
+        prefix without holding it); a ``None`` element is an :class:`InvalidSampleError`."""
         while self.count is None and (self.position + len(self._buffer) <= s):
             self._refill(s)
+            self._drop_before(s)
+        self._drop_before(s)
+        if not self._buffer:
+            return END
+        self.position += 1
+        element = self._buffer.popleft()
+        if element is None:
+            raise InvalidSampleError(f"rank {self.rank}: the stream's element at position {s} is None (a stream "
+                                     "element must be a sample)", rank=self.rank, indices=(s,))
+        return element
+
+    def _drop_before(self, s: int) -> None:
         while self._buffer and self.position < s:
             self._buffer.popleft()
             self.position += 1
-        if not self._buffer:
-            return None
-        self.position += 1
-        return self._buffer.popleft()
 
     def _refill(self, s: int) -> None:
         try:
@@ -129,7 +151,10 @@ class StreamReader:
         except Exception as exc:
             raise SampleLoadError(f"rank {self.rank}: reading stream position {s} failed: "
                                   f"{describe_exception(exc)}", rank=self.rank, indices=(s,)) from None
-        self._buffer.extend(unpack(chunk) if isinstance(chunk, PackedChunk) else chunk)
+        elements = unpack(chunk) if isinstance(chunk, PackedChunk) else chunk
+        if self.first is END and elements:
+            self.first = elements[0]
+        self._buffer.extend(elements)
 
     def close(self) -> None:
         """Release the DataLoader iterator (its workers shut down)."""
@@ -190,8 +215,12 @@ class StreamServer(CollateServer):
         fetched = driver.fetch()
         for pos, s in zip(fetched, driver.stream_positions(fetched)):
             sample = reader.read(s)
-            if sample is None:
-                assert reader.count is not None
+            if sample is END:
+                if reader.count is None:
+                    raise CollateProcessError(f"rank {self.spec.rank}: the stream reader ended at position {s} "
+                                              "without finding the stream's end", rank=self.spec.rank)
+                if self._template is None and reader.first is not END:
+                    self._template = reader.first  # a resumed rank whose elements were all consumed before
                 driver.end_stream(reader.count)
                 return
             length, tokens = self._packer.measure(sample, s)

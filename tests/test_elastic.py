@@ -239,6 +239,16 @@ def test_a_checkpoint_taken_right_after_a_resume_keeps_what_the_first_run_consum
     assert elastic.state_dict()["steps"] == 3 and elastic.state_dict()["consumed"] == []
 
 
+def test_stream_checkpoints_are_refused_on_another_world_size_by_the_core_merge() -> None:
+    """The adapters merge every rank's file when the world size changed; a stream's states
+    (positions in each rank's own stream) must be refused there too, naming the world size."""
+    states = [dict(s, stream=True) for s in good_states()]
+    with pytest.raises(ResumeStateError) as err:
+        merge_states(states)
+    assert err.value.field == "world_size" and err.value.ranks == (0, 1, 2)
+    assert merge_states(good_states()).steps == 3  # the same states without the stream flag merge
+
+
 def _resumed_state(rank: int, states: list[dict[str, Any]]) -> dict[str, Any]:
     resumed = loader(3, rank=rank)
     resumed.load_state_dict(states)

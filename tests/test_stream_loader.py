@@ -84,9 +84,57 @@ def test_streams_at_w3_jsonl_per_example_split_with_workers(tmp_path: Path) -> N
     one record longer than another's), 2 workers per rank, tokenized in the pipeline."""
     sizes = [44, 2, 19, 0, 24]
     files = write_files(tmp_path, "jsonl", sizes)
-    task = {"port": free_port(2), "runs": [{"name": "jsonl", "source": "jsonl", "files": files, "workers": 2}]}
+    # and a generator whose rank 1 stream (2 records) is used up before the checkpoint: resumed
+    # without idle_sample, that rank builds its idle batches from its stream's first element
+    gen_ids = [list(range(40)), [40, 41], list(range(42, 70))]
+    task = {"port": free_port(4), "runs": [{"name": "jsonl", "source": "jsonl", "files": files, "workers": 2},
+                                           {"name": "exhausted", "source": "generator", "ids": gen_ids,
+                                            "resume_after": 4}]}
     results = run_ranks(3, task, tmp_path, target=stream_rank_main, timeout=150)
     audit(results, "jsonl", sum(sizes))
+    steps = audit(results, "exhausted", 70)
+    rank1 = results[1]["runs"]["exhausted"]
+    assert sorted(rank1["state"]["consumed"]) == [0, 1], "rank 1's stream was not used up at the checkpoint"
+    assert rank1["resumed"] and all(s["idle"] for s in rank1["resumed"]), steps[1]
+
+
+def _reader(chunks: list[list[Any]]) -> Any:
+    from collections import deque
+
+    from odb_torch.stream_loading import END, StreamReader
+
+    reader = StreamReader.__new__(StreamReader)  # the reading logic alone, over given worker chunks
+    reader.rank, reader.timeout, reader._it = 0, 1.0, iter(chunks)
+    reader._buffer, reader.position, reader.count, reader.first = deque(), 0, None, END
+    return reader
+
+
+def test_a_resumed_read_drops_the_consumed_prefix_chunk_by_chunk_and_keeps_the_first_element() -> None:
+    from odb_torch.stream_loading import END
+
+    reader = _reader([list(range(k, k + 32)) for k in range(0, 20_000, 32)])
+    peak = 0
+    refill = reader._refill
+
+    def watched(s: int) -> None:
+        nonlocal peak
+        refill(s)
+        peak = max(peak, len(reader._buffer))
+
+    reader._refill = watched
+    assert reader.read(19_000) == 19_000 and peak <= 64, f"held {peak} elements to pass over 19,000"
+    assert reader.first == 0, "the idle template of a rank resumed past its whole stream"
+    assert reader.read(20_000) is END and reader.count == 20_000
+
+
+def test_a_none_element_is_an_invalid_sample_naming_rank_and_position_not_the_end() -> None:
+    from odb_core.errors import InvalidSampleError
+
+    reader = _reader([[{"input_ids": [1]}, None, {"input_ids": [2]}]])
+    assert reader.read(0) == {"input_ids": [1]}
+    with pytest.raises(InvalidSampleError) as err:
+        reader.read(1)
+    assert err.value.rank == 0 and err.value.indices == (1,) and reader.count is None
 
 
 class _Empty(__import__("torch").utils.data.IterableDataset):  # type: ignore[misc]
