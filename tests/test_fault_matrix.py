@@ -10,6 +10,7 @@ failure table is this matrix.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -185,4 +186,13 @@ def test_script_exits_promptly_whatever_ends_it(how, start, code, needle, tmp_pa
     returncode, out = run_script(tmp_path, how, start)
     assert returncode == code and needle in out, out[-3000:]
     assert time.monotonic() - started < 60, "exit took longer than the bound"
-    assert "leaked semaphore" not in out, out[-3000:]
+    assert not semaphores_left(out), out[-3000:]
+
+
+def semaphores_left(out: str) -> int:
+    """Semaphores the resource tracker found still registered at shutdown, less those it then
+    found already unlinked (ENOENT: the owner removed it and the tracker's bookkeeping lagged,
+    a CPython shutdown race seen once in CI; nothing was left behind)."""
+    reported = sum(int(m) for m in re.findall(r"There appear to be (\d+) leaked semaphore", out))
+    gone = len(re.findall(r"resource_tracker: '/mp-[^']+': \[Errno 2\] No such file or directory", out))
+    return reported - gone
