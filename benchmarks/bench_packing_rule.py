@@ -44,6 +44,7 @@ from odb_core.config import BUDGETS  # noqa: E402
 from odb_core.distributions import DISTRIBUTIONS, sample_lengths  # noqa: E402
 from odb_core.grouping import group_buffer, hold_sparse  # noqa: E402
 from odb_core.packing import pack_buffer, size_of  # noqa: E402
+from odb_tools.bench_packed import first_fit_in_order  # noqa: E402
 
 L_MAX, BUFFER = 8192, 1024
 Rule = Callable[[dict[int, int], int], list[list[int]]]
@@ -69,28 +70,7 @@ def next_fit(lengths: dict[int, int], budget: int) -> list[list[int]]:
 def first_fit(lengths: dict[int, int] | Sequence[int], budget: int, keys: Sequence[int] | None = None) -> list[list[int]]:
     """First-fit decreasing with a max segment tree over the groups' room (O(n log n))."""
     order = keys if keys is not None else _descending(lengths)  # type: ignore[arg-type]
-    n = 1
-    while n < max(len(order), 1):
-        n *= 2
-    room = [0] * (2 * n)
-    groups: list[list[int]] = []
-    for k in order:
-        size = size_of(lengths[k])
-        if room[1] >= size:
-            i = 1
-            while i < n:
-                i = 2 * i if room[2 * i] >= size else 2 * i + 1
-            groups[i - n].append(k)
-            room[i] -= size
-        else:
-            i = n + len(groups)
-            groups.append([k])
-            room[i] = max(budget - size, 0)
-        i //= 2
-        while i:
-            room[i] = max(room[2 * i], room[2 * i + 1])
-            i //= 2
-    return groups
+    return first_fit_in_order(lengths, order, budget)
 
 
 def best_fit(lengths: dict[int, int], budget: int) -> list[list[int]]:

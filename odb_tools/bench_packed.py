@@ -27,7 +27,7 @@ row's, in percentage points).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from odb_core import ODBConfig, audit, simulate
@@ -40,9 +40,14 @@ TRL_WHOLE = "trl pack_dataset bfd (offline, one batch)"
 
 def first_fit_decreasing(lengths: Sequence[int], budget: int) -> list[list[int]]:
     """First-fit decreasing over every index of ``lengths`` (sizes :func:`~odb_core.packing.size_of`):
-    longest first (ties: lower index), each into the first batch it fits in, a max segment tree
-    over the batches' room (O(n log n)). A length over ``budget`` gets a batch of its own."""
-    order = sorted(range(len(lengths)), key=lambda k: (-lengths[k], k))
+    longest first (ties: lower index), each into the first batch it fits in. A length over
+    ``budget`` gets a batch of its own."""
+    return first_fit_in_order(lengths, sorted(range(len(lengths)), key=lambda k: (-lengths[k], k)), budget)
+
+
+def first_fit_in_order(lengths: Mapping[int, int] | Sequence[int], order: Sequence[int], budget: int) -> list[list[int]]:
+    """First fit of the keys in ``order`` (each into the first batch with room for it), a max
+    segment tree over the batches' room (O(n log n))."""
     n = 1
     while n < max(len(order), 1):
         n *= 2
