@@ -251,11 +251,18 @@ class CollateServer:
                 samples, self._ahead, self._template = {}, {}, None
                 continue
             self._fill(driver, loads, samples)
-            plan = driver.on_headers(self._gather(driver.begin_round(), "header"))
-            if plan.step_vector is not None:
-                for item in driver.on_steps(self._gather(plan.step_vector, "step")):
-                    ended = self._deliver(driver, item, samples) or ended
-            self._flush_trace(driver)
+            ended = self._round(driver, samples) or ended
+        return ended
+
+    def _round(self, driver: EpochDriver, samples: dict[int, Any]) -> bool:
+        """One round after this rank's arrivals: gather the headers, then (an emitting round)
+        the step vectors, and deliver each output; True if this rank's loop got its EpochEnd."""
+        ended = False
+        plan = driver.on_headers(self._gather(driver.begin_round(), "header"))
+        if plan.step_vector is not None:
+            for item in driver.on_steps(self._gather(plan.step_vector, "step")):
+                ended = self._deliver(driver, item, samples) or ended
+        self._flush_trace(driver)
         return ended
 
     def _fill(self, driver: EpochDriver, loads: Iterator[list[tuple[int, Any, tuple[int, int]]]],

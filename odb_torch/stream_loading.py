@@ -201,11 +201,7 @@ class StreamServer(CollateServer):
                 self._template = None
                 continue
             self._read(driver, samples)
-            plan = driver.on_headers(self._gather(driver.begin_round(), "header"))
-            if plan.step_vector is not None:
-                for item in driver.on_steps(self._gather(plan.step_vector, "step")):
-                    ended = self._deliver(driver, item, samples) or ended
-            self._flush_trace(driver)
+            ended = self._round(driver, samples) or ended
         return ended
 
     def _read(self, driver: EpochDriver, samples: dict[int, Any]) -> None:
