@@ -109,6 +109,15 @@ def _check_pool(states: Sequence[Mapping[str, Any]], held: int) -> None:
                                f"({sorted({s.get('pool') for s in states}, key=str)})", field="views")
 
 
+def stream_world_error(what: str, *, ranks: Sequence[int] = (), rank: int | None = None) -> ResumeStateError:
+    """Why a stream checkpoint cannot resume on another world size (the one rule, for the core's
+    merge and the loader's stream resume): each rank's stream is its shard at that world size."""
+    return ResumeStateError(
+        f"{what}: a stream checkpoint resumes only on the world size it was taken on: each rank's stream is its "
+        "shard at that world size, and the shards at another one hold other elements; resume on the same number "
+        "of ranks, or at an epoch boundary", field="world_size", ranks=ranks, rank=rank)
+
+
 def merge_states(states: Sequence[Mapping[str, Any]]) -> GlobalState:
     """Merge every rank's ``ODBDataLoader.state_dict()`` of one step boundary into a :class:`GlobalState`.
 
@@ -120,10 +129,7 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> GlobalState:
         raise ResumeStateError("no loader state to merge", field="rank")
     streamed = [int(s.get("rank", -1)) for s in states if s.get("stream")]
     if streamed:
-        raise ResumeStateError(
-            "a stream checkpoint resumes only on the world size it was taken on: each rank's stream is its shard "
-            "at that world size, and the shards at another one hold other elements; resume on the same number "
-            "of ranks, or at an epoch boundary", field="world_size", ranks=streamed)
+        raise stream_world_error(f"the states of ranks {streamed} come from streams", ranks=streamed)
     _check_ranks(states)
     agreed = _agreed(states)
     owner: dict[int, int] = {}  # global position -> the rank whose order holds it

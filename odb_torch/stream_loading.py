@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from odb_core import ODBConfig
+from odb_core.elastic import stream_world_error
 from odb_core.epoch import Delivery, EpochDriver, LoopEnd
 from odb_core.errors import (
     CollateProcessError,
@@ -77,11 +78,7 @@ def stream_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], rank: 
     (:class:`ResumeStateError`, field ``world_size``; resume such a run at an epoch boundary)."""
     if not isinstance(state, Mapping) or state.get("kind") == "odb-global" or state.get("world_size") != world:
         got = state.get("world_size") if isinstance(state, Mapping) else f"{len(state)} states"
-        raise ResumeStateError(
-            f"rank {rank}: a stream checkpoint resumes on the world size it was taken on (got {got}, this run has "
-            f"{world}): each rank's stream is its shard of the data at that world size, and the shards at another "
-            "one hold other elements; resume on the same number of ranks, or at an epoch boundary",
-            field="world_size", rank=rank)
+        raise stream_world_error(f"rank {rank}: got a checkpoint of world size {got}, this run has {world}", rank=rank)
     for key, mine in (("rank", rank), ("seed", seed)):
         if state.get(key) != mine:
             raise ResumeStateError(f"rank {rank}: stream state_dict {key}={state.get(key)!r} does not match this "
