@@ -24,7 +24,7 @@ from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop
 from odb_torch.process_guard import close_at_exit
 from odb_torch.start_failure import StartMethod, check_spawnable, explain_start_failure, resolve_start_method
 from odb_torch.step_info import StepInfo
-from odb_torch.stream_loading import StreamSampler, check_stream_config, is_stream, stream_resume
+from odb_torch.stream_loading import StreamSampler, check_stream_config, is_stream, stream_resume, stream_state
 
 SILENCE_GRACE = 2.0
 """The trainer waits ``timeout * SILENCE_GRACE`` for a live but silent collate process, so
@@ -215,7 +215,7 @@ class ODBDataLoader:
         elif type(self.sampler) is DistributedSampler:  # the global order is known: elastic resume possible
             state.update(order_world=self.world_size, total=order_total(self.sampler, self.world_size))
         elif isinstance(self.sampler, StreamSampler):  # positions in this rank's stream: same world size only
-            state["stream"] = True
+            state.update(stream_state(self._spec.num_workers))
         return state
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
@@ -232,7 +232,8 @@ class ODBDataLoader:
         if self.config.mode != "join":
             raise NotImplementedError("load_state_dict resumes mid-epoch in join mode only")
         if isinstance(self.sampler, StreamSampler):  # same world only (ResumeStateError otherwise)
-            self._resume = stream_resume(state, self.rank, self.world_size, self.config.seed)
+            self._resume = stream_resume(state, self.rank, self.world_size, self.config.seed,
+                                         self._spec.num_workers)
             self.epoch = self._resume[0]
             self._hold_resumed_position()
             return

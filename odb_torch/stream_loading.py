@@ -69,20 +69,30 @@ def check_stream_config(config: ODBConfig, rank: int, world: int, sampler: Any) 
     EpochDriver(config, rank, world, quota=0, stream=True)
 
 
+def stream_state(num_workers: int) -> dict[str, Any]:
+    """The fields a stream's ``state_dict`` adds: the mark the core's merge refuses on another world
+    size, and ``num_workers``: the stream's order is torch's round robin over the DataLoader
+    workers, each reading its shard of the stream, so positions name elements only at that count."""
+    return {"stream": True, "num_workers": num_workers}
+
+
 def stream_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], rank: int, world: int,
-                  seed: int) -> tuple[int, list[int], int]:
+                  seed: int, num_workers: int) -> tuple[int, list[int], int]:
     """(epoch, consumed stream positions, steps) of this rank's stream ``state_dict``.
 
     A stream resumes on the same ranks only: each rank's stream is its shard at W, and at another W
     the shards differ, so one rank's consumed positions say nothing about another's elements
-    (:class:`ResumeStateError`, field ``world_size``; resume such a run at an epoch boundary)."""
+    (:class:`ResumeStateError`, field ``world_size``; resume such a run at an epoch boundary).
+    Likewise ``num_workers``: another worker count deals the stream's shards otherwise, so the
+    same positions are other elements (field ``num_workers``; a state without it is refused)."""
     if not isinstance(state, Mapping) or state.get("kind") == "odb-global" or state.get("world_size") != world:
         got = state.get("world_size") if isinstance(state, Mapping) else f"{len(state)} states"
         raise stream_world_error(f"rank {rank}: got a checkpoint of world size {got}, this run has {world}", rank=rank)
-    for key, mine in (("rank", rank), ("seed", seed)):
+    for key, mine in (("rank", rank), ("seed", seed), ("num_workers", num_workers)):
         if state.get(key) != mine:
             raise ResumeStateError(f"rank {rank}: stream state_dict {key}={state.get(key)!r} does not match this "
-                                   f"loader's {mine!r}", field=key, rank=rank)
+                                   f"loader's {mine!r} (the stream's positions name other elements)",
+                                   field=key, rank=rank)
     return int(state["epoch"]), [int(p) for p in state["consumed"]], int(state["steps"])
 
 

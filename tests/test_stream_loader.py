@@ -142,9 +142,11 @@ class _Empty(__import__("torch").utils.data.IterableDataset):  # type: ignore[mi
         return iter(())
 
 
-def test_a_stream_refuses_non_join_a_sampler_and_a_resume_on_another_world_size() -> None:
+def test_a_stream_refuses_non_join_a_sampler_and_a_resume_on_another_world_size_or_worker_count() -> None:
     """Non-join needs the quota N (unknown for a stream) and a sampler has nothing to sample:
-    both refused at construction; a stream checkpoint taken at W=3 is refused at W=2."""
+    both refused at construction; a stream checkpoint taken at W=3 is refused at W=2, one taken
+    with 2 DataLoader workers (the stream's order: their round robin) is refused with 4, and
+    the state records the count."""
     with pytest.raises(UnsupportedSettingError) as info:
         ODBDataLoader(_Empty(), token_budget=64, mode="non-join", rank=0, world_size=2)
     assert info.value.field == "mode"
@@ -152,9 +154,13 @@ def test_a_stream_refuses_non_join_a_sampler_and_a_resume_on_another_world_size(
         ODBDataLoader(_Empty(), token_budget=64, sampler=[0, 1], rank=0, world_size=2)
     assert info.value.field == "sampler"
     loader = ODBDataLoader(_Empty(), config=ODBConfig(token_budget=64), rank=1, world_size=2)
-    state = {"epoch": 0, "steps": 4, "consumed": [0, 2], "rank": 1, "world_size": 3, "seed": 0}
+    state = {"epoch": 0, "steps": 4, "consumed": [0, 2], "rank": 1, "world_size": 3, "seed": 0, "num_workers": 4}
     with pytest.raises(ResumeStateError, match="world size") as err:
         loader.load_state_dict(state)
     assert err.value.field == "world_size" and err.value.rank == 1
+    for workers in (2, None):
+        with pytest.raises(ResumeStateError, match="num_workers") as err:
+            loader.load_state_dict({**state, "world_size": 2, "num_workers": workers})
+        assert err.value.field == "num_workers" and err.value.rank == 1
     loader.load_state_dict({**state, "world_size": 2})
-    assert loader.epoch == 0
+    assert loader.epoch == 0 and loader.state_dict()["num_workers"] == 4
