@@ -24,7 +24,14 @@ from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop
 from odb_torch.process_guard import close_at_exit
 from odb_torch.start_failure import StartMethod, check_spawnable, explain_start_failure, resolve_start_method
 from odb_torch.step_info import StepInfo
-from odb_torch.stream_loading import StreamSampler, check_stream_config, is_stream, stream_resume, stream_state
+from odb_torch.stream_loading import (
+    StreamSampler,
+    check_stream_config,
+    check_stream_start,
+    is_stream,
+    stream_resume,
+    stream_state,
+)
 
 SILENCE_GRACE = 2.0
 """The trainer waits ``timeout * SILENCE_GRACE`` for a live but silent collate process, so
@@ -165,8 +172,10 @@ class ODBDataLoader:
         self._step_info: StepInfo | None = None
         self._consumed: list[int] = []  # sampler positions yielded this epoch
         self._steps = 0  # steps (idle included) consumed this epoch
-        # (positions, steps) each recent yield added to _consumed/_steps, for state_dict(unconsumed=k)
-        self._recent: deque[tuple[int, int]] = deque(maxlen=64)
+        # (positions, steps, stream resume point) each recent yield added, for state_dict(unconsumed=k)
+        self._recent: deque[tuple[int, int, Any]] = deque(maxlen=64)
+        self._stream_point: Any = None  # a stream's resume point before the oldest of _recent (None: re-read)
+        self._stream_start: Any = None  # the loaded resume point, for the resumed epoch's StartEpoch
         self._resume: tuple[int, list[int], int] | None = None
         self._epoch_open = False  # an iteration started and has not reached its EpochEnd
         self._serial = 0  # epochs started by this loader (the same on every rank: names trace files)
@@ -216,6 +225,8 @@ class ODBDataLoader:
             state.update(order_world=self.world_size, total=order_total(self.sampler, self.world_size))
         elif isinstance(self.sampler, StreamSampler):  # positions in this rank's stream: same world size only
             state.update(stream_state(self._spec.num_workers))
+            kept = len(self._recent) - unconsumed
+            state["stream_resume"] = self._recent[kept - 1][2] if kept > 0 else self._stream_point
         return state
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
@@ -234,6 +245,8 @@ class ODBDataLoader:
         if isinstance(self.sampler, StreamSampler):  # same world only (ResumeStateError otherwise)
             self._resume = stream_resume(state, self.rank, self.world_size, self.config.seed,
                                          self._spec.num_workers)
+            self._stream_start = check_stream_start(state.get("stream_resume"), self.rank,  # type: ignore[union-attr]
+                                                    self._spec.num_workers)
             self.epoch = self._resume[0]
             self._hold_resumed_position()
             return
@@ -261,6 +274,7 @@ class ODBDataLoader:
         _, consumed, steps = self._resume
         self._consumed, self._steps = list(consumed), steps
         self._recent.clear()
+        self._stream_point = self._stream_start
 
     def _start(self) -> None:
         sampler = self.sampler if self._elastic is None else ElasticOrder(
@@ -292,13 +306,14 @@ class ODBDataLoader:
         epoch = self.epoch
         if self._resume is not None and self._resume[0] == epoch:
             _, skip, first_step = self._resume
+            start, self._stream_point = self._stream_start, self._stream_start
         else:
-            skip, first_step = [], 0
-        self._resume = None
+            skip, first_step, start, self._stream_point = [], 0, None, None
+        self._resume = self._stream_start = None
         self._consumed, self._steps = list(skip), first_step
         self._recent.clear()
         pending = (0, 0)  # positions and steps of skipped idle steps, charged to the next yield
-        self._ctrl.put(StartEpoch(epoch, tuple(skip), first_step, self._serial))
+        self._ctrl.put(StartEpoch(epoch, tuple(skip), first_step, self._serial, start))
         self._serial += 1
         self._epoch_open = True
         while True:
@@ -314,7 +329,9 @@ class ODBDataLoader:
             pending = (pending[0] + len(item.positions), pending[1] + 1)
             if item.info.is_idle and self.skip_idle:
                 continue
-            self._recent.append(pending)
+            if len(self._recent) == self._recent.maxlen:
+                self._stream_point = self._recent[0][2]
+            self._recent.append((*pending, item.resume))
             pending = (0, 0)
             self._step_info = item.info
             yield item.batch

@@ -30,6 +30,8 @@ class StartEpoch:
     skip: tuple[int, ...]
     first_step: int
     serial: int
+    resume: dict[str, Any] | None = None
+    """A stream resumed from its dataset's state: the resume point (``stream_loading``)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class Batch:
     batch: Any
     info: StepInfo
     positions: tuple[int, ...]
+    resume: dict[str, Any] | None = None
+    """A stream over a resumable dataset: the resume point after this batch (``stream_loading``)."""
 
 
 @dataclass(frozen=True)

@@ -10,19 +10,24 @@ No ``len()`` is needed: the core's driver (``EpochDriver(stream=True)``) fetches
 positions, this module reads them in order and reports the end when a read finds the stream
 exhausted; every protocol decision stays the driver's (P1-P6). An element's identity, in
 ``step_info.indices`` and ``state_dict``, is its position in this rank's stream (with the rank,
-it names the element). Resume re-reads the stream and passes over the positions consumed.
+it names the element). Resume starts from the dataset's own state where it has one
+(``state_dict``/``load_state_dict``, as ``datasets`` streams do): each batch carries the workers'
+states at the last round boundary of the stream's order below every position not yet yielded
+(:class:`StreamReader`), and the resumed read starts there; otherwise (a plain generator) it
+re-reads the stream and passes over the positions consumed.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from odb_core import ODBConfig
 from odb_core.elastic import stream_world_error
@@ -36,7 +41,7 @@ from odb_core.errors import (
     UnsupportedSettingError,
 )
 from odb_torch.collate_process import MAX_CHUNK, CollateServer, CollateSpec
-from odb_torch.messages import EpochEnd, StartEpoch
+from odb_torch.messages import Batch, EpochEnd, Reply, StartEpoch
 from odb_torch.process_guard import DieWithParent
 from odb_torch.sample_packing import PackedChunk, Packer, describe_exception, pack, unpack
 
@@ -76,6 +81,26 @@ def stream_state(num_workers: int) -> dict[str, Any]:
     return {"stream": True, "num_workers": num_workers}
 
 
+def resumable(dataset: Any) -> bool:
+    """The stream has its own resumable state (``state_dict()``/``load_state_dict()``: ``datasets``
+    streams; torchdata's convention), taken in each DataLoader worker after each chunk."""
+    return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+
+
+def check_stream_start(start: Any, rank: int, num_workers: int) -> dict[str, Any] | None:
+    """A state's ``stream_resume`` (None: re-read), checked: a stream position and one dataset
+    state (or None: from the start) per DataLoader worker (:class:`ResumeStateError` otherwise)."""
+    if start is None:
+        return None
+    ok = isinstance(start, Mapping) and isinstance(start.get("position"), int) and start["position"] >= 0 and \
+        isinstance(start.get("workers"), Sequence) and len(start["workers"]) == max(1, num_workers)
+    if not ok:
+        raise ResumeStateError(f"rank {rank}: stream_resume must be a stream position and one dataset state per "
+                               f"worker ({max(1, num_workers)}), got {str(start)[:120]}", field="stream_resume",
+                               rank=rank)
+    return {"position": start["position"], "workers": list(start["workers"])}
+
+
 def stream_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], rank: int, world: int,
                   seed: int, num_workers: int) -> tuple[int, list[int], int]:
     """(epoch, consumed stream positions, steps) of this rank's stream ``state_dict``.
@@ -96,6 +121,36 @@ def stream_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], rank: 
     return int(state["epoch"]), [int(p) for p in state["consumed"]], int(state["steps"])
 
 
+class _Chunker:
+    """The stream DataLoader's ``collate_fn``: (chunk, worker id, the dataset's state after the
+    chunk or None). ``dataset``: the one read in-process (``num_workers=0``); a worker's is its copy."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __call__(self, samples: list[Any]) -> tuple[Any, int, Any]:
+        info = get_worker_info()
+        dataset: Any = info.dataset if info is not None else self.dataset
+        return _chunk(samples), info.id if info is not None else 0, \
+            dataset.state_dict() if dataset is not None and resumable(dataset) else None
+
+
+@dataclass(frozen=True)
+class _WorkerStart:
+    """A stream worker's ``worker_init_fn``: :class:`DieWithParent`, then the worker's dataset state
+    of the resume point loaded into its copy of the dataset (None: the worker starts afresh)."""
+
+    parent: int
+    states: tuple[Any, ...] | None
+
+    def __call__(self, worker_id: int) -> None:
+        DieWithParent(self.parent)(worker_id)
+        info = get_worker_info()
+        if self.states is not None and self.states[worker_id] is not None and info is not None:
+            dataset: Any = info.dataset
+            dataset.load_state_dict(self.states[worker_id])
+
+
 def _chunk(samples: list[Any]) -> Any:
     """A worker's chunk of consecutive elements: packed (one buffer per dtype) when they hold
     tensors, else the list itself (plain values pickle faster than a walk over every leaf)."""
@@ -111,20 +166,55 @@ END: Any = object()
 
 class StreamReader:
     """This rank's stream in order: :meth:`read` returns the element at a stream position
-    (positions passed over are discarded: a resume's consumed ones), or :data:`END` past the end."""
+    (positions passed over are discarded: a resume's consumed ones), or :data:`END` past the end.
 
-    def __init__(self, spec: CollateSpec) -> None:
+    For a :func:`resumable` dataset it keeps the resume points: stream positions at a round
+    boundary of torch's round robin (every live worker has shipped the same number of chunks, so
+    a DataLoader restarted from the workers' states there yields the rest in the same order) with
+    those states; :meth:`point` gives the last one at or below a position. ``start``: such a
+    point; the read starts there instead of at position 0."""
+
+    def __init__(self, spec: CollateSpec, start: Mapping[str, Any] | None = None) -> None:
         workers, self.rank, self.timeout = spec.num_workers, spec.rank, spec.timeout
+        states = tuple(start["workers"]) if start is not None else None
+        dataset: Any = spec.dataset
+        if states is not None and not workers and states[0] is not None:
+            dataset = copy.deepcopy(dataset)  # read in-process: the state goes to a copy, not the next epoch's
+            dataset.load_state_dict(states[0])
         loader = DataLoader(
-            spec.dataset, batch_size=max(1, min(STREAM_CHUNK, MAX_CHUNK)), collate_fn=_chunk, num_workers=workers,
-            prefetch_factor=spec.prefetch_factor if workers else None,
+            dataset, batch_size=max(1, min(STREAM_CHUNK, MAX_CHUNK)), num_workers=workers,
+            collate_fn=_Chunker(None if workers else dataset), prefetch_factor=spec.prefetch_factor if workers else None,
             multiprocessing_context=spec.worker_start_method if workers else None,
-            worker_init_fn=DieWithParent(os.getpid()) if workers else None, timeout=spec.timeout if workers else 0)
+            worker_init_fn=_WorkerStart(os.getpid(), states) if workers else None, timeout=spec.timeout if workers else 0)
         self._it: Any = iter(loader)
         self._buffer: deque[Any] = deque()
-        self.position = 0  # the stream position of self._buffer[0]
+        self.position = int(start["position"]) if start is not None else 0  # the stream position of self._buffer[0]
         self.count: int | None = None  # the stream's length, once a read found its end
         self.first: Any = END  # the stream's first element, read or passed over (a resumed rank's idle template)
+        self._states: list[Any] = list(states) if states is not None else [None] * max(1, workers)
+        self._chunks = [0] * max(1, workers)  # chunks each worker shipped (since the start)
+        self._round = -1  # the round (a worker's chunk count) of the last chunk
+        self._points: deque[dict[str, Any]] = deque()
+        if resumable(spec.dataset):
+            self._points.append({"position": self.position, "workers": list(self._states)})
+
+    def point(self, low: int) -> dict[str, Any] | None:
+        """The last resume point at or below stream position ``low`` (increasing across calls:
+        earlier points are dropped), or None (not a resumable dataset)."""
+        while len(self._points) > 1 and self._points[1]["position"] <= low:
+            self._points.popleft()
+        return self._points[0] if self._points and self._points[0]["position"] <= low else None
+
+    def _note(self, worker: int, state: Any, start: int) -> None:
+        """A chunk of ``worker`` starting at stream position ``start``, the worker's state after it:
+        a chunk of a later round than the last one starts a round boundary."""
+        if state is None:
+            return
+        if self._chunks[worker] > self._round and self._points[-1]["position"] != start:
+            self._points.append({"position": start, "workers": list(self._states)})
+        self._round = self._chunks[worker]
+        self._chunks[worker] += 1
+        self._states[worker] = state
 
     def read(self, s: int) -> Any:
         """The element at stream position ``s`` (increasing across calls), or :data:`END` past the
@@ -153,11 +243,15 @@ class StreamReader:
             chunk = next(self._it)
         except StopIteration:
             self.count = self.position + len(self._buffer)
+            if self._points:
+                self._points.append({"position": self.count, "workers": list(self._states)})
             self.close()
             return
         except Exception as exc:
             raise SampleLoadError(f"rank {self.rank}: reading stream position {s} failed: "
                                   f"{describe_exception(exc)}", rank=self.rank, indices=(s,)) from None
+        chunk, worker, state = chunk
+        self._note(worker, state, self.position + len(self._buffer))
         elements = unpack(chunk) if isinstance(chunk, PackedChunk) else chunk
         if self.first is END and elements:
             self.first = elements[0]
@@ -176,6 +270,10 @@ class StreamServer(CollateServer):
         self.options = options
         self._packer = Packer(spec.rank, spec.length_fn, spec.loss_tokens_fn)
         self._reader: StreamReader | None = None
+        self._start: dict[str, Any] | None = None  # the epoch's resume point (StartEpoch.resume)
+        self._low = 0  # the lowest stream position not yet delivered (nor consumed before a resume)
+        self._done: set[int] = set()  # delivered (or consumed) stream positions at or above _low
+        self._point: dict[str, Any] | None = None  # the resume point the last batch carried
 
     def run_epoch(self, cmd: StartEpoch) -> None:
         """Drive one epoch of the driver over this rank's stream (``set_epoch`` forwarded to it)."""
@@ -184,6 +282,9 @@ class StreamServer(CollateServer):
                                  first_step=cmd.first_step, skip_idle=spec.skip_idle,
                                  trace=[] if self.trace_dir else None, stream=True)
         self._driver = driver
+        self._start = cmd.resume
+        self._low = cmd.resume["position"] if cmd.resume is not None else 0
+        self._done, self._point = {p for p in cmd.skip if p >= self._low}, cmd.resume
         self._open_trace(cmd)
         try:
             driver.check_hello(self._gather(driver.hello({"stream": True, "first_step": cmd.first_step}),
@@ -204,7 +305,7 @@ class StreamServer(CollateServer):
                     self.spec.dataset.set_epoch(driver.epoch)
                 driver.start_iteration(())
                 self._close_reader()
-                self._reader = StreamReader(self.spec)
+                self._reader = StreamReader(self.spec, self._start)
                 self._template = None
                 continue
             self._read(driver, samples)
@@ -222,6 +323,8 @@ class StreamServer(CollateServer):
                 if reader.count is None:
                     raise CollateProcessError(f"rank {self.spec.rank}: the stream reader ended at position {s} "
                                               "without finding the stream's end", rank=self.spec.rank)
+                if self._template is None and reader.first is END and self._start is not None:
+                    self._template = _first_element(self.spec)
                 if self._template is None and reader.first is not END:
                     self._template = reader.first  # a resumed rank whose elements were all consumed before
                 driver.end_stream(reader.count)
@@ -242,6 +345,19 @@ class StreamServer(CollateServer):
             self._template = self.options.idle_sample
         return super()._deliver(driver, item, samples)
 
+    def _put(self, item: Reply, watch_ctrl: bool = True) -> None:
+        """A batch carries the resume point below every stream position not yet delivered: a
+        checkpoint after it restarts the dataset there (positions delivered above it are skipped)."""
+        if isinstance(item, Batch):
+            self._done.update(item.positions)
+            while self._low in self._done:
+                self._done.discard(self._low)
+                self._low += 1
+            if self._reader is not None:
+                self._point = self._reader.point(self._low)
+            item = replace(item, resume=self._point)
+        super()._put(item, watch_ctrl)
+
     def _as_error(self, exc: BaseException) -> ODBError:
         self._close_reader()
         return super()._as_error(exc)
@@ -250,6 +366,17 @@ class StreamServer(CollateServer):
         if self._reader is not None:
             self._reader.close()
             self._reader = None
+
+
+def _first_element(spec: CollateSpec) -> Any:
+    """The stream's first element, read afresh (the idle template of a rank resumed from a dataset
+    state past its whole stream), or None for an empty stream."""
+    reader = StreamReader(spec)
+    try:
+        element = reader.read(0)
+    finally:
+        reader.close()
+    return None if element is END else element
 
 
 StreamSampler.server_cls = StreamServer  # type: ignore[attr-defined]

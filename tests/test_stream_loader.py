@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from stream_support import BUDGET, stream_rank_main, write_files
+from stream_support import BUDGET, hf_stream, stream_rank_main, write_files
 from test_torch_loader import run_ranks
 from torch_support import check_real_traces
 
@@ -53,7 +53,8 @@ def audit(results: list[dict[str, Any]], name: str, total: int) -> list[list[dic
 
 def test_streams_at_w2_jsonl_parquet_generator_and_resume_every_element_once(tmp_path: Path) -> None:
     """W=2: JSONL (4 uneven files: whole files per rank, 2 workers), Parquet (3 files: the
-    per-example path; checkpoint after 3 steps, resumed by a new loader), and a generator whose
+    per-example path; checkpoint after 3 steps, resumed by a new loader from the dataset's own
+    state; the JSONL run too, after 2 steps, from its 2 workers' states), and a generator whose
     rank 1 stream is empty (idle batches from ``idle_sample``; ``set_epoch`` reaches the stream)."""
     jsonl_sizes, parquet_sizes = [70, 3, 45, 0], [31, 40, 6]
     (tmp_path / "j").mkdir()
@@ -63,7 +64,7 @@ def test_streams_at_w2_jsonl_parquet_generator_and_resume_every_element_once(tmp
     gen_ids = [list(range(57)), []]
     idle = {"input_ids": [1], "labels": [1], "id": -1}
     task = {"port": free_port(6), "runs": [
-        {"name": "jsonl", "source": "jsonl", "files": jsonl, "workers": 2},
+        {"name": "jsonl", "source": "jsonl", "files": jsonl, "workers": 2, "resume_after": 2},
         {"name": "parquet", "source": "parquet", "files": parquet, "resume_after": 3},
         {"name": "generator", "source": "generator", "ids": gen_ids, "idle_sample": idle, "workers": 2, "epoch": 5},
     ]}
@@ -76,6 +77,10 @@ def test_streams_at_w2_jsonl_parquet_generator_and_resume_every_element_once(tmp
     states = [res["runs"]["parquet"]["state"] for res in results]
     held = [set(range(max(st["consumed"], default=-1) + 1)) - set(st["consumed"]) for st in states]
     assert any(held), "the checkpoint held no element read but not yet yielded (nothing to re-deliver)"
+    for name in ("parquet", "jsonl"):  # datasets streams resume from their own state (2 workers' for jsonl)
+        for res in results:
+            start = res["runs"][name]["state"]["stream_resume"]
+            assert start is not None and len(start["workers"]) == (2 if name == "jsonl" else 1), start
     check_real_traces(tmp_path / "traces")  # every streamed epoch (4 per rank) replayed by TLC
 
 
@@ -95,6 +100,7 @@ def test_streams_at_w3_jsonl_per_example_split_with_workers(tmp_path: Path) -> N
     steps = audit(results, "exhausted", 70)
     rank1 = results[1]["runs"]["exhausted"]
     assert sorted(rank1["state"]["consumed"]) == [0, 1], "rank 1's stream was not used up at the checkpoint"
+    assert rank1["state"]["stream_resume"] is None, "a plain generator has no state: it resumes by re-reading"
     assert rank1["resumed"] and all(s["idle"] for s in rank1["resumed"]), steps[1]
 
 
@@ -104,8 +110,9 @@ def _reader(chunks: list[list[Any]]) -> Any:
     from odb_torch.stream_loading import END, StreamReader
 
     reader = StreamReader.__new__(StreamReader)  # the reading logic alone, over given worker chunks
-    reader.rank, reader.timeout, reader._it = 0, 1.0, iter(chunks)
+    reader.rank, reader.timeout, reader._it = 0, 1.0, iter((chunk, 0, None) for chunk in chunks)
     reader._buffer, reader.position, reader.count, reader.first = deque(), 0, None, END
+    reader._points = deque()  # a plain generator: no dataset state
     return reader
 
 
@@ -164,3 +171,41 @@ def test_a_stream_refuses_non_join_a_sampler_and_a_resume_on_another_world_size_
         assert err.value.field == "num_workers" and err.value.rank == 1
     loader.load_state_dict({**state, "world_size": 2})
     assert loader.epoch == 0 and loader.state_dict()["num_workers"] == 4
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_datasets_stream_resumes_from_its_own_state_at_a_round_boundary(tmp_path: Path, monkeypatch: Any,
+                                                                           workers: int) -> None:
+    """A ``datasets`` stream (3 uneven JSONL files, tokenized with ``.map``) read in chunks of 4,
+    in-process and by 2 workers (round robin over their files): for every low-water position L,
+    the reader's resume point P <= L is a round boundary whose worker states, loaded into a new
+    reader, yield exactly the stream's elements P, P+1, ... in order (no re-read from 0: P is
+    close below L)."""
+    from odb_torch import stream_loading
+    from odb_torch.collate_process import CollateSpec
+    from odb_torch.stream_loading import END, StreamReader
+
+    monkeypatch.setattr(stream_loading, "STREAM_CHUNK", 4)
+    files = write_files(tmp_path, "jsonl", [10, 7, 0])
+    spec = CollateSpec(hf_stream(files, "jsonl", 0, 1), list, None, None, ODBConfig(token_budget=64), 0, 1, "",
+                       30.0, workers, 2 if workers else None, "fork" if workers else None)
+
+    def read_all(reader: StreamReader, start: int) -> list[int]:
+        ids, s = [], start
+        while (element := reader.read(s)) is not END:
+            ids.append(element["id"])
+            s += 1
+        return ids
+
+    full = read_all(StreamReader(spec), 0)
+    assert sorted(full) == list(range(17)) and (workers == 0 or full[:8] == [0, 1, 2, 3, 10, 11, 12, 13])
+    reader, lows = StreamReader(spec), [0, 3, 5, 9, 16, 17]
+    points = []
+    for low in lows:
+        reader.read(low) if low < 17 else read_all(reader, 17)
+        points.append(reader.point(low))
+    reader.close()
+    for low, point in zip(lows, points):
+        assert point is not None and low - 8 < point["position"] <= low, (low, point)
+        resumed = StreamReader(spec, point)
+        assert read_all(resumed, point["position"]) == full[point["position"]:], (low, point)
