@@ -16,7 +16,7 @@ from torch.utils.data import Dataset, DistributedSampler, default_collate
 from odb_core import ODBConfig
 from odb_core.config import BudgetName, LossScaling, Mode, TargetPolicyName
 from odb_core.epoch import EpochDriver
-from odb_core.errors import CollateProcessError, LoaderStateError, PeerError
+from odb_core.errors import CollateProcessError, LoaderStateError, PeerError, UnsupportedSettingError
 from odb_torch.collate_process import CollateSpec, collate_main
 from odb_torch.elastic import ElasticEpoch, ElasticOrder, check_sampler, order_total, plan_resume, rank_share
 from odb_torch.loader_options import CONFIG_DEFAULT, collate_rendezvous, protocol_config, rank_and_world
@@ -27,6 +27,7 @@ from odb_torch.step_info import StepInfo
 from odb_torch.stream_loading import (
     StreamSampler,
     check_stream_config,
+    check_stream_ids,
     check_stream_start,
     is_stream,
     stream_resume,
@@ -104,6 +105,9 @@ class ODBDataLoader:
         rank, world_size: default from the initialised process group, else env.
         idle_sample: streams: a sample whose collated batch is the idle batch of a rank whose
             stream is empty (it saw no sample to build one from).
+        element_id: streams: the key of each element's own integer identity (e.g. ``"id"``),
+            unique in the epoch: ``step_info.indices`` and the resume's checks use it instead
+            of the element's stream position (README "Streaming").
     """
 
     driver_cls: type[EpochDriver] = EpochDriver
@@ -140,6 +144,7 @@ class ODBDataLoader:
         world_size: int | None = None,
         queue_size: int = 8,
         idle_sample: Any = None,
+        element_id: str | None = None,
     ) -> None:
         self.config = protocol_config(config, token_budget, dict(
             buffer_size=buffer_size, depth=depth, mode=mode, loss_scaling=loss_scaling, target_policy=target_policy,
@@ -150,8 +155,11 @@ class ODBDataLoader:
         init_method = collate_rendezvous(init_method, world_size)
         if stream := is_stream(dataset):  # an IterableDataset: odb_torch.stream_loading
             check_stream_config(self.config, rank, world_size, sampler)
-        self.sampler: Any = StreamSampler(idle_sample) if stream else sampler if sampler is not None else DistributedSampler(
-            dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
+        elif element_id is not None:
+            raise UnsupportedSettingError(f"rank {rank}: element_id= names a stream element's identity; a map-style "
+                                          "dataset's is its index", field="element_id", rank=rank)
+        self.sampler: Any = StreamSampler(idle_sample, element_id) if stream else sampler if sampler is not None else \
+            DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
         self._spec = CollateSpec(
             dataset=dataset, collate_fn=collate_fn or default_collate, length_fn=length_fn,
             loss_tokens_fn=loss_tokens_fn, config=self.config, rank=rank, world=world_size,
@@ -176,6 +184,7 @@ class ODBDataLoader:
         self._recent: deque[tuple[int, int, Any]] = deque(maxlen=64)
         self._stream_point: Any = None  # a stream's resume point before the oldest of _recent (None: re-read)
         self._stream_start: Any = None  # the loaded resume point, for the resumed epoch's StartEpoch
+        self._consumed_ids: list[int] = []  # a stream's element_id identities of _consumed, in order
         self._resume: tuple[int, list[int], int] | None = None
         self._epoch_open = False  # an iteration started and has not reached its EpochEnd
         self._serial = 0  # epochs started by this loader (the same on every rank: names trace files)
@@ -227,6 +236,8 @@ class ODBDataLoader:
             state.update(stream_state(self._spec.num_workers))
             kept = len(self._recent) - unconsumed
             state["stream_resume"] = self._recent[kept - 1][2] if kept > 0 else self._stream_point
+            if self.sampler.element_id is not None:
+                state["consumed_ids"] = self._consumed_ids[: len(consumed)]
         return state
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
@@ -247,6 +258,7 @@ class ODBDataLoader:
                                          self._spec.num_workers)
             self._stream_start = check_stream_start(state.get("stream_resume"), self.rank,  # type: ignore[union-attr]
                                                     self._spec.num_workers)
+            self._consumed_ids = check_stream_ids(state, self.rank, self.sampler.element_id)  # type: ignore[arg-type]
             self.epoch = self._resume[0]
             self._hold_resumed_position()
             return
@@ -309,11 +321,12 @@ class ODBDataLoader:
             start, self._stream_point = self._stream_start, self._stream_start
         else:
             skip, first_step, start, self._stream_point = [], 0, None, None
+            self._consumed_ids = []
         self._resume = self._stream_start = None
         self._consumed, self._steps = list(skip), first_step
         self._recent.clear()
         pending = (0, 0)  # positions and steps of skipped idle steps, charged to the next yield
-        self._ctrl.put(StartEpoch(epoch, tuple(skip), first_step, self._serial, start))
+        self._ctrl.put(StartEpoch(epoch, tuple(skip), first_step, self._serial, start, tuple(self._consumed_ids)))
         self._serial += 1
         self._epoch_open = True
         while True:
@@ -325,6 +338,8 @@ class ODBDataLoader:
                 self._fail(item.error)
             assert isinstance(item, Batch), f"unexpected message {item!r}"
             self._consumed.extend(item.positions)
+            if isinstance(self.sampler, StreamSampler) and self.sampler.element_id is not None:
+                self._consumed_ids.extend(item.info.indices)
             self._steps += 1
             pending = (pending[0] + len(item.positions), pending[1] + 1)
             if item.info.is_idle and self.skip_idle:

@@ -32,6 +32,8 @@ class StartEpoch:
     serial: int
     resume: dict[str, Any] | None = None
     """A stream resumed from its dataset's state: the resume point (``stream_loading``)."""
+    consumed_ids: tuple[int, ...] = ()
+    """A stream with ``element_id``: the identities of the ``skip`` positions, in order."""
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,8 @@ class StreamSampler:
 
     idle_sample: Any = None
     """A sample whose collated batch is the idle batch of a rank that never saw one (an empty stream)."""
+    element_id: str | None = None
+    """The key of each element's own identity (an int, unique in the epoch), else its stream position."""
 
 
 def is_stream(dataset: Any) -> bool:
@@ -99,6 +101,33 @@ def check_stream_start(start: Any, rank: int, num_workers: int) -> dict[str, Any
                                f"worker ({max(1, num_workers)}), got {str(start)[:120]}", field="stream_resume",
                                rank=rank)
     return {"position": start["position"], "workers": list(start["workers"])}
+
+
+def check_stream_ids(state: Mapping[str, Any], rank: int, element_id: str | None) -> list[int]:
+    """A state's ``consumed_ids`` (the ``element_id`` identities of its consumed positions, in
+    order), present exactly when ``element_id`` is set and one per position
+    (:class:`ResumeStateError`, field ``consumed_ids``, otherwise)."""
+    ids = state.get("consumed_ids")
+    if element_id is None and ids is None:
+        return []
+    if element_id is None or not isinstance(ids, Sequence) or len(ids) != len(state["consumed"]):
+        raise ResumeStateError(f"rank {rank}: the state's consumed_ids ({'absent' if ids is None else 'present'}) do "
+                               f"not match this loader's element_id={element_id!r}: one identity per consumed "
+                               "position with element_id, none without", field="consumed_ids", rank=rank)
+    return [int(i) for i in ids]
+
+
+def element_identity(element: Any, key: str, rank: int, position: int) -> int:
+    """The element's own identity ``element[key]``: an int, else :class:`InvalidSampleError`
+    naming the rank and the stream position."""
+    value = element.get(key) if isinstance(element, Mapping) else None
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidSampleError(f"rank {rank}: the stream's element at position {position} has no integer "
+                                 f"identity under element_id={key!r} (got {type(value).__name__})", rank=rank,
+                                 indices=(position,))
+    return value
 
 
 def stream_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], rank: int, world: int,
@@ -274,6 +303,8 @@ class StreamServer(CollateServer):
         self._low = 0  # the lowest stream position not yet delivered (nor consumed before a resume)
         self._done: set[int] = set()  # delivered (or consumed) stream positions at or above _low
         self._point: dict[str, Any] | None = None  # the resume point the last batch carried
+        self._ids: dict[int, int] = {}  # element_id: stream position -> identity, read and not yet delivered
+        self._seen: dict[int, int] = {}  # element_id: identity -> stream position, this epoch (the resumed too)
 
     def run_epoch(self, cmd: StartEpoch) -> None:
         """Drive one epoch of the driver over this rank's stream (``set_epoch`` forwarded to it)."""
@@ -285,6 +316,7 @@ class StreamServer(CollateServer):
         self._start = cmd.resume
         self._low = cmd.resume["position"] if cmd.resume is not None else 0
         self._done, self._point = {p for p in cmd.skip if p >= self._low}, cmd.resume
+        self._ids, self._seen = {}, dict(zip(cmd.consumed_ids, cmd.skip))
         self._open_trace(cmd)
         try:
             driver.check_hello(self._gather(driver.hello({"stream": True, "first_step": cmd.first_step}),
@@ -329,6 +361,8 @@ class StreamServer(CollateServer):
                     self._template = reader.first  # a resumed rank whose elements were all consumed before
                 driver.end_stream(reader.count)
                 return
+            if self.options.element_id is not None:
+                self._identify(sample, s)
             length, tokens = self._packer.measure(sample, s)
             driver.arrive(pos, length, tokens)
             samples[pos] = sample
@@ -345,6 +379,17 @@ class StreamServer(CollateServer):
             self._template = self.options.idle_sample
         return super()._deliver(driver, item, samples)
 
+    def _identify(self, sample: Any, s: int) -> None:
+        """Record the element's own identity; one seen before in the epoch (before the checkpoint
+        included) is an :class:`InvalidSampleError` naming it and both stream positions."""
+        ident = element_identity(sample, str(self.options.element_id), self.spec.rank, s)
+        if ident in self._seen:
+            raise InvalidSampleError(f"rank {self.spec.rank}: element_id {ident} at stream position {s} was already "
+                                     f"at position {self._seen[ident]} this epoch (identities must be unique)",
+                                     rank=self.spec.rank, indices=(ident,))
+        self._seen[ident] = s
+        self._ids[s] = ident
+
     def _put(self, item: Reply, watch_ctrl: bool = True) -> None:
         """A batch carries the resume point below every stream position not yet delivered: a
         checkpoint after it restarts the dataset there (positions delivered above it are skipped)."""
@@ -356,6 +401,8 @@ class StreamServer(CollateServer):
             if self._reader is not None:
                 self._point = self._reader.point(self._low)
             item = replace(item, resume=self._point)
+            if self.options.element_id is not None and not item.info.is_idle:
+                item = replace(item, info=replace(item.info, indices=tuple(self._ids.pop(p) for p in item.positions)))
         super()._put(item, watch_ctrl)
 
     def _as_error(self, exc: BaseException) -> ODBError:

@@ -121,7 +121,7 @@ def one_run(run: dict[str, Any], rank: int, world: int, port: int) -> dict[str, 
         dataset: Any = RankStream(run["ids"][rank])
     else:
         dataset = hf_stream(run["files"], run["source"], rank, world)
-    kw = {"num_workers": run.get("workers", 0), "idle_sample": run.get("idle_sample")}
+    kw = {"num_workers": run.get("workers", 0), "idle_sample": run.get("idle_sample"), "element_id": run.get("element_id")}
     loader = make_loader(dataset, rank, world, port, **kw)
     out: dict[str, Any] = {}
     with loader:

@@ -54,7 +54,8 @@ def audit(results: list[dict[str, Any]], name: str, total: int) -> list[list[dic
 def test_streams_at_w2_jsonl_parquet_generator_and_resume_every_element_once(tmp_path: Path) -> None:
     """W=2: JSONL (4 uneven files: whole files per rank, 2 workers), Parquet (3 files: the
     per-example path; checkpoint after 3 steps, resumed by a new loader from the dataset's own
-    state; the JSONL run too, after 2 steps, from its 2 workers' states), and a generator whose
+    state; the JSONL run too, after 2 steps, from its 2 workers' states, its elements identified
+    by their own ``id``: ``element_id="id"``), and a generator whose
     rank 1 stream is empty (idle batches from ``idle_sample``; ``set_epoch`` reaches the stream)."""
     jsonl_sizes, parquet_sizes = [70, 3, 45, 0], [31, 40, 6]
     (tmp_path / "j").mkdir()
@@ -64,12 +65,13 @@ def test_streams_at_w2_jsonl_parquet_generator_and_resume_every_element_once(tmp
     gen_ids = [list(range(57)), []]
     idle = {"input_ids": [1], "labels": [1], "id": -1}
     task = {"port": free_port(6), "runs": [
-        {"name": "jsonl", "source": "jsonl", "files": jsonl, "workers": 2, "resume_after": 2},
+        {"name": "jsonl", "source": "jsonl", "files": jsonl, "workers": 2, "resume_after": 2, "element_id": "id"},
         {"name": "parquet", "source": "parquet", "files": parquet, "resume_after": 3},
         {"name": "generator", "source": "generator", "ids": gen_ids, "idle_sample": idle, "workers": 2, "epoch": 5},
     ]}
     results = run_ranks(2, task, tmp_path, target=stream_rank_main, timeout=150, trace=True)
-    audit(results, "jsonl", sum(jsonl_sizes))
+    for rank_steps in audit(results, "jsonl", sum(jsonl_sizes)):  # element_id="id": the records' own identities
+        assert all(s["positions"] == s["ids"] for s in rank_steps), "step_info.indices are not the elements' ids"
     audit(results, "parquet", sum(parquet_sizes))
     gen = audit(results, "generator", 57)
     assert all(s["idle"] for s in gen[1]) and gen[1], "the empty stream's rank yields idle steps in lockstep"
@@ -77,6 +79,8 @@ def test_streams_at_w2_jsonl_parquet_generator_and_resume_every_element_once(tmp
     states = [res["runs"]["parquet"]["state"] for res in results]
     held = [set(range(max(st["consumed"], default=-1) + 1)) - set(st["consumed"]) for st in states]
     assert any(held), "the checkpoint held no element read but not yet yielded (nothing to re-deliver)"
+    assert all(len(res["runs"]["jsonl"]["state"]["consumed_ids"]) == len(res["runs"]["jsonl"]["state"]["consumed"])
+               for res in results)
     for name in ("parquet", "jsonl"):  # datasets streams resume from their own state (2 workers' for jsonl)
         for res in results:
             start = res["runs"][name]["state"]["stream_resume"]
@@ -209,3 +213,34 @@ def test_a_datasets_stream_resumes_from_its_own_state_at_a_round_boundary(tmp_pa
         assert point is not None and low - 8 < point["position"] <= low, (low, point)
         resumed = StreamReader(spec, point)
         assert read_all(resumed, point["position"]) == full[point["position"]:], (low, point)
+
+
+def test_element_id_identities_missing_duplicated_or_mismatched_are_typed_errors() -> None:
+    """``element_id``: an element without an integer identity, or with one already seen this epoch
+    (before a checkpoint included), is an InvalidSampleError naming rank and position/identity; a
+    state whose consumed_ids do not match the loader's element_id is refused; a map-style
+    dataset refuses element_id."""
+    from odb_core.errors import InvalidSampleError
+    from odb_torch.stream_loading import StreamSampler, StreamServer
+
+    server = StreamServer.__new__(StreamServer)  # the identity bookkeeping alone
+    server.spec, server.options = type("Spec", (), {"rank": 1})(), StreamSampler(element_id="id")
+    server._ids, server._seen = {}, {7: 0}  # identity 7 consumed at position 0 before a checkpoint
+    server._identify({"id": 3}, 1)
+    for element, position, field in (({"id": 7}, 2, 7), ({"id": 3}, 3, 3), ({"text": "x"}, 4, 4),
+                                     ({"id": "3"}, 5, 5), ("plain", 6, 6)):
+        with pytest.raises(InvalidSampleError) as err:
+            server._identify(element, position)
+        assert err.value.rank == 1 and err.value.indices == (field,), (element, err.value)
+    assert server._ids == {1: 3}
+    loader = ODBDataLoader(_Empty(), config=ODBConfig(token_budget=64), rank=0, world_size=1, element_id="id")
+    state = {"epoch": 0, "steps": 1, "consumed": [0, 1], "rank": 0, "world_size": 1, "seed": 0, "num_workers": 4}
+    for ids in (None, [5]):
+        with pytest.raises(ResumeStateError) as rerr:
+            loader.load_state_dict({**state, "consumed_ids": ids})
+        assert rerr.value.field == "consumed_ids"
+    loader.load_state_dict({**state, "consumed_ids": [5, 9]})
+    assert loader.state_dict()["consumed_ids"] == [5, 9]
+    with pytest.raises(UnsupportedSettingError) as uerr:
+        ODBDataLoader([1, 2], token_budget=64, rank=0, world_size=1, element_id="id")
+    assert uerr.value.field == "element_id"
