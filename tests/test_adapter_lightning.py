@@ -3,7 +3,8 @@
 A fit checkpoints every 4 updates and stops after update 6 (a crash); a second fit
 resumes from the step-4 checkpoint. Checked: exactly-once coverage per epoch across the
 two (P4), equal micro-batches per update on every rank (P2), exact window weights (P7),
-and the LR following samples seen; W=1 under the padded budget, W=2 the packed one.
+and the LR following samples seen; W=1 under the padded budget (its checkpoint resumed on
+2 ranks: elastic resume), W=2 the packed one.
 """
 
 from __future__ import annotations
@@ -46,15 +47,16 @@ def check_packed_rows(records: list[dict[str, Any]]) -> None:
     assert any(len(r["indices"]) * max(map(lengths, r["indices"])) > BUDGET for r in real), "nothing packed"
 
 
-@pytest.mark.parametrize(("world", "budget"), [(1, "padded"), (2, "packed")])
-def test_lightning_resume_mid_epoch_exactly_once(world, budget, tmp_path):
+@pytest.mark.parametrize(("world", "budget", "resumed_world"), [(1, "padded", 2), (2, "packed", 2)])
+def test_lightning_resume_mid_epoch_exactly_once(world, budget, resumed_world, tmp_path):
     """At W=2 under the packed budget (padding-free rows): also each row's loss tokens equal
-    the loader's count (P7's weights), and rows are packed within the budget."""
+    the loader's count (P7's weights), and rows are packed within the budget. The W=1 run's
+    checkpoint resumes on 2 ranks (elastic resume through the callback's merged rank states)."""
     run_torchrun(WORKER, [str(tmp_path), "a", "6", "0", budget], world)
     first = [json.loads((tmp_path / f"a_rank{r}.json").read_text()) for r in range(world)]
     assert first[0]["global_step"] == 6
-    run_torchrun(WORKER, [str(tmp_path), "b", "0", "1", budget], world)
-    second = [json.loads((tmp_path / f"b_rank{r}.json").read_text()) for r in range(world)]
+    run_torchrun(WORKER, [str(tmp_path), "b", "0", "1", budget], resumed_world)
+    second = [json.loads((tmp_path / f"b_rank{r}.json").read_text()) for r in range(resumed_world)]
     assert second[0]["ckpt"].endswith("step=4.ckpt")
     before = trained([r["records"] for r in first], keep=lambda rec: rec["update"] < 4)
     after = trained([r["records"] for r in second])
