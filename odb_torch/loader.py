@@ -257,7 +257,7 @@ class ODBDataLoader:
             self._resume = stream_resume(state, self.rank, self.world_size, self.config.seed,
                                          self._spec.num_workers)
             self._stream_start = check_stream_start(state.get("stream_resume"), self.rank,  # type: ignore[union-attr]
-                                                    self._spec.num_workers)
+                                                    self._spec.num_workers, self._spec.dataset)
             self._consumed_ids = check_stream_ids(state, self.rank, self.sampler.element_id)  # type: ignore[arg-type]
             self.epoch = self._resume[0]
             self._hold_resumed_position()

@@ -84,16 +84,32 @@ def stream_state(num_workers: int) -> dict[str, Any]:
 
 
 def resumable(dataset: Any) -> bool:
-    """The stream has its own resumable state (``state_dict()``/``load_state_dict()``: ``datasets``
-    streams; torchdata's convention), taken in each DataLoader worker after each chunk."""
-    return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+    """The stream has its own exact resumable state (``state_dict()``/``load_state_dict()``: ``datasets``
+    streams; torchdata's convention), taken in each DataLoader worker after each chunk. Not a
+    ``datasets`` stream with a shuffle buffer (``.shuffle(buffer_size=...)``): its state leaves the
+    buffer's content out (datasets refills it on load), so such a stream resumes by re-reading."""
+    if not (callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))):
+        return False
+    pending = [getattr(dataset, "_ex_iterable", None)]
+    while pending:
+        node = pending.pop()
+        if node is None:
+            continue
+        if type(node).__name__ == "BufferShuffledExamplesIterable":
+            return False
+        pending += [getattr(node, "ex_iterable", None), *getattr(node, "ex_iterables", ())]
+    return True
 
 
-def check_stream_start(start: Any, rank: int, num_workers: int) -> dict[str, Any] | None:
+def check_stream_start(start: Any, rank: int, num_workers: int, dataset: Any) -> dict[str, Any] | None:
     """A state's ``stream_resume`` (None: re-read), checked: a stream position and one dataset
-    state (or None: from the start) per DataLoader worker (:class:`ResumeStateError` otherwise)."""
+    state (or None: from the start) per DataLoader worker, for a :func:`resumable` dataset
+    (:class:`ResumeStateError` otherwise)."""
     if start is None:
         return None
+    if not resumable(dataset):
+        raise ResumeStateError(f"rank {rank}: the state holds a dataset state (stream_resume) but this loader's "
+                               "stream has no exact resumable state", field="stream_resume", rank=rank)
     ok = isinstance(start, Mapping) and isinstance(start.get("position"), int) and start["position"] >= 0 and \
         isinstance(start.get("workers"), Sequence) and len(start["workers"]) == max(1, num_workers)
     if not ok:

@@ -173,6 +173,9 @@ def test_a_stream_refuses_non_join_a_sampler_and_a_resume_on_another_world_size_
         with pytest.raises(ResumeStateError, match="num_workers") as err:
             loader.load_state_dict({**state, "world_size": 2, "num_workers": workers})
         assert err.value.field == "num_workers" and err.value.rank == 1
+    with pytest.raises(ResumeStateError) as err:  # a dataset state for a stream that has none
+        loader.load_state_dict({**state, "world_size": 2, "stream_resume": {"position": 2, "workers": [None] * 4}})
+    assert err.value.field == "stream_resume"
     loader.load_state_dict({**state, "world_size": 2})
     assert loader.epoch == 0 and loader.state_dict()["num_workers"] == 4
 
@@ -184,7 +187,7 @@ def test_a_datasets_stream_resumes_from_its_own_state_at_a_round_boundary(tmp_pa
     in-process and by 2 workers (round robin over their files): for every low-water position L,
     the reader's resume point P <= L is a round boundary whose worker states, loaded into a new
     reader, yield exactly the stream's elements P, P+1, ... in order (no re-read from 0: P is
-    close below L)."""
+    close below L). With a shuffle buffer (its state leaves the buffer out) it is not resumable."""
     from odb_torch import stream_loading
     from odb_torch.collate_process import CollateSpec
     from odb_torch.stream_loading import END, StreamReader
@@ -201,6 +204,9 @@ def test_a_datasets_stream_resumes_from_its_own_state_at_a_round_boundary(tmp_pa
             s += 1
         return ids
 
+    assert stream_loading.resumable(spec.dataset)
+    assert not stream_loading.resumable(spec.dataset.shuffle(seed=0, buffer_size=8)), \
+        "a datasets shuffle buffer's state leaves the buffer out: such a stream must resume by re-reading"
     full = read_all(StreamReader(spec), 0)
     assert sorted(full) == list(range(17)) and (workers == 0 or full[:8] == [0, 1, 2, 3, 10, 11, 12, 13])
     reader, lows = StreamReader(spec), [0, 3, 5, 9, 16, 17]
