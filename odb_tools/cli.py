@@ -175,7 +175,8 @@ def _demo(args: argparse.Namespace) -> int:
     c = summary["config"]
     print(f"\nW={c['world']} ranks (Gloo, CPU), {c['samples']} conversations of {c['data']}, cut off at "
           f"{c['max_length']} tokens; ODB {c['token_budget']} tokens per rank per update in "
-          f"{c['accumulation_steps']} micro-batches, buffer {c['buffer_size']}; "
+          f"{c['accumulation_steps']} micro-batches (ODB packed: {c['packed_accumulation_steps']}), "
+          f"buffer {c['buffer_size']}; "
           f"fixed batch size {c['fixed_batch_size']}\n")
     print(table(summary["methods"]))
     print(f"\nplots: {', '.join(summary['plots'])}")

@@ -35,7 +35,11 @@ def test_demo_quick_json_table_and_plots(tmp_path):
     odb, standard, packed = summary["methods"][2], summary["methods"][0], summary["methods"][3]
     assert odb["padding_fraction"] < standard["padding_fraction"], "ODB must pad less than random fixed batches"
     assert packed["padding_fraction"] == 0, "a packed row processes only real tokens"
-    assert packed["updates"] < odb["updates"], "packed micro-batches of the same budget hold more samples"
+    steps, packed_steps = summary["config"]["accumulation_steps"], summary["config"]["packed_accumulation_steps"]
+    assert packed["samples_per_update"] / packed_steps > odb["samples_per_update"] / steps, \
+        "packed micro-batches of the same budget hold more samples"
+    assert packed_steps < steps and packed["updates"] >= odb["updates"], \
+        "the packed row accumulates fewer micro-batches, so it makes at least the padded row's updates"
     # time to loss: Standard reaches its own final smoothed loss (the target) by the end of its epoch
     assert summary["time_to_loss"]["target"] == standard["tail_loss"]
     assert 0 < standard["time_to_standard_loss"] <= standard["seconds"]

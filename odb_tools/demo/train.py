@@ -14,7 +14,8 @@ gradient clipping:
   (``ODBConfig(budget="packed")``: the sum of a micro-batch's lengths within its tokens,
   best-fit decreasing over the buffer), each micro-batch one padding-free row
   (:func:`odb_torch.padding_free.packed_collate`) whose attention stays within each
-  sequence (:mod:`.model`).
+  sequence (:mod:`.model`); micro-batches of the same tokens, fewer per update
+  (:func:`odb_tools.demo.packed_accumulation_steps`), so it makes at least ODB's updates.
 
 The fixed batch size is ODB's expected samples per update, so all make about the same
 number of updates. Standard and Sorted use DDP's usual loss (each rank's per-token mean,
