@@ -32,7 +32,9 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import math
 import statistics
+import struct
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +46,8 @@ from odb_core import ODBConfig, audit, simulate  # noqa: E402
 from odb_core.alignment import TARGET_FUNCTIONS  # noqa: E402
 from odb_core.distributions import sample_lengths  # noqa: E402
 from odb_core.epoch import EpochDriver  # noqa: E402
+from odb_core.sampler import permutation  # noqa: E402
+from odb_core.schedules import shard  # noqa: E402
 from odb_core.wire import HeaderGather, StepGather, payload_bytes  # noqa: E402
 
 POOL = 1 << 20
@@ -74,6 +78,7 @@ def protocol_rounds(world: int, buffer: int, budget: int, reps: int, rounds: int
             for pos in d.fetch():
                 d.arrive(pos, pool[d.views[pos] % len(pool)])
         copies = [copy.deepcopy(drivers[0]) for _ in range(reps)]
+        copies_b = [copy.deepcopy(drivers[0]) for _ in range(reps)]
         proto = drivers[0].protocol
         assert proto is not None
         it, rnd = proto.iteration, proto.round
@@ -85,28 +90,58 @@ def protocol_rounds(world: int, buffer: int, budget: int, reps: int, rounds: int
         if target == 0:
             break
 
-        def rank0_round(copies: list[EpochDriver] = copies) -> None:
+        raw = struct.pack(f"<{world * 2 * target}q", *(v for vector in step_vectors for v in vector))
+
+        def rank0_round(copies: list[EpochDriver], gathered: Sequence[Sequence[int]] | bytes) -> None:
             d = copies.pop()
             d.begin_round()
             d.on_headers(vectors)
-            d.on_steps(step_vectors)
+            d.on_steps(gathered)
 
         gc.collect()
         gc.freeze()  # the other W - 1 ranks' state is not in rank 0's process: keep it out of its GC
-        total = cpu(rank0_round, reps)
+        total, total_bytes = cpu_pair(lambda c=copies: rank0_round(c, step_vectors),
+                                      lambda c=copies_b: rank0_round(c, raw), reps)
         decode_headers = cpu(lambda: HeaderGather.decode(vectors, world, it, rnd), reps)
         policy = TARGET_FUNCTIONS[config.target_policy]
         target_s = cpu(lambda: policy(headers.headers), reps)
-        decode_steps = cpu(lambda: StepGather(step_vectors, headers, target), reps)
+        decode_steps, decode_bytes = cpu_pair(lambda: StepGather(step_vectors, headers, target),
+                                              lambda: StepGather(raw, headers, target), reps)
+        tolist, tobytes = adapter_decoding(step_vectors, reps)
         gc.unfreeze()
-        steps = StepGather(step_vectors, headers, target)
+        steps = StepGather(raw, headers, target)
         for d in drivers:
             d.on_steps(steps)
         sent = payload_bytes(target)
-        out.append({"round": rnd, "target": target, "total": total, "headers": decode_headers, "policy": target_s,
-                     "steps": decode_steps, "sent": sent, "gathered": world * sent})
-        del copies
+        out.append({"round": rnd, "target": target, "total": total, "total_bytes": total_bytes,
+                    "headers": decode_headers, "policy": target_s, "steps": decode_steps, "steps_bytes": decode_bytes,
+                    "tolist": tolist, "tobytes": tobytes, "sent": sent, "gathered": world * sent})
+        del copies, copies_b
     return out
+
+
+def cpu_pair(old: Callable[[], object], new: Callable[[], object], reps: int) -> tuple[float, float]:
+    """Median process CPU seconds of ``old()`` and of ``new()``, timed alternately (same load)."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(reps):
+        for fn, into in ((old, times[0]), (new, times[1])):
+            t0 = time.process_time()
+            fn()
+            into.append(time.process_time() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def adapter_decoding(step_vectors: list[list[int]], reps: int) -> tuple[float, float]:
+    """The collate process's decoding of the step gather, before (``tolist()`` of each of the W
+    gathered tensors) and now (the one W x 2T tensor's bytes); NaN without torch."""
+    try:
+        import torch
+    except ImportError:
+        return math.nan, math.nan
+    tensors = [torch.tensor(v, dtype=torch.int64) for v in step_vectors]
+    rows = torch.tensor(step_vectors, dtype=torch.int64)
+    return cpu_pair(lambda: [t.tolist() for t in tensors],
+                    lambda: rows.numpy().astype("<i8", copy=False).tobytes(), reps)
 
 
 def simulator_seconds(world: int, lengths: Sequence[int], buffer: int, budget: int) -> dict[str, float]:
@@ -133,12 +168,17 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None, help="timed copies of rank 0 per round (default 5; quick 3)")
     ap.add_argument("--samples", type=int, default=None, help="simulated samples (default 1,000,000; quick 100,000)")
     ap.add_argument("--overhead", action="store_true", help="only the alignment overhead vs W")
-    ap.add_argument("--per-rank", default="25000", help="--overhead: comma-separated samples per rank")
+    ap.add_argument("--tail", action="store_true", help="only the alignment overhead's tail lower bound vs W")
+    ap.add_argument("--per-rank", default="25000", help="--overhead/--tail: comma-separated samples per rank")
     ap.add_argument("--seeds", default="0", help="--overhead: comma-separated seeds (lengths and sampler)")
     args = ap.parse_args()
     default_worlds = "8,64,256,1024" if args.quick else "8,64,256,1024,4096"
     worlds = [int(w) for w in (args.worlds or default_worlds).split(",")]
 
+    if args.tail:
+        tail_bound(worlds if args.worlds else [8, 64, 256, 1024], [int(n) for n in args.per_rank.split(",")],
+                   [int(s) for s in args.seeds.split(",")], args.buffer, args.budget)
+        return
     if args.overhead:
         overhead(worlds if args.worlds else [8, 64, 256, 1024], [int(n) for n in args.per_rank.split(",")],
                  [int(s) for s in args.seeds.split(",")], args.buffer, args.budget)
@@ -148,15 +188,20 @@ def main() -> None:
     rounds = 1 if args.quick else 2
     print(f"## Protocol CPU of one rank per round (budget {args.budget}, buffer {args.buffer}, sharegpt4o; "
           f"median of {reps}, process CPU ms)\n")
-    print("| W | round | T | total ms | decode W headers | target | decode W step vectors | rest "
+    print("Old: the collate process turns the W step tensors into lists (tolist) and the core reads the lists;")
+    print("new: it hands the core the gather's bytes. Each pair timed alternately in one run.\n")
+    print("| W | round | T | old: tolist + round | new: bytes + round | new/old | round on lists | round on bytes "
+          "| tolist | tobytes | decode W headers | target | W step vectors: lists | bytes | rest (bytes) "
           "| sent B/rank | gathered B/rank |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * 17 + "|")
     for world in worlds:
         for row in protocol_rounds(world, args.buffer, args.budget, reps, rounds):
-            rest = row["total"] - row["headers"] - row["policy"] - row["steps"]
-            print(f"| {world} | {row['round']} | {row['target']} | {ms(row['total'])} | {ms(row['headers'])} | "
-                  f"{ms(row['policy'])} | {ms(row['steps'])} | {ms(rest)} | {row['sent']:,} | "
-                  f"{row['gathered']:,} |", flush=True)
+            old, new = row["total"] + row["tolist"], row["total_bytes"] + row["tobytes"]
+            rest = row["total_bytes"] - row["headers"] - row["policy"] - row["steps_bytes"]
+            print(f"| {world} | {row['round']} | {row['target']} | {ms(old)} | {ms(new)} | {new / old:.2f} | "
+                  f"{ms(row['total'])} | {ms(row['total_bytes'])} | {ms(row['tolist'])} | {ms(row['tobytes'])} | "
+                  f"{ms(row['headers'])} | {ms(row['policy'])} | {ms(row['steps'])} | {ms(row['steps_bytes'])} | "
+                  f"{ms(rest)} | {row['sent']:,} | {row['gathered']:,} |", flush=True)
 
     n = args.samples or (100_000 if args.quick else 1_000_000)
     lengths = sample_lengths("sharegpt4o", n)
@@ -190,6 +235,27 @@ def overhead(worlds: list[int], per_rank: list[int], seeds: list[int], buffer: i
               f"{report.padding_fraction * 100:.2f}% | {t1 - t0:.0f} | {t2 - t1:.0f} |", flush=True)
         del report
         gc.collect()
+
+def tail_bound(worlds: list[int], per_rank: list[int], seeds: list[int], buffer: int, budget: int) -> None:
+    """The part of the alignment overhead no target policy removes (join mode): the epoch lasts
+    at least as long as the rank with the most groups when each rank groups its own shard
+    alone (as ``audit`` counts "alone": the protocol on one rank, regroup included), so
+    overhead >= max_r alone_r / mean_r alone_r - 1. No protocol run of the W ranks: each
+    rank's shard (the simulator's permutation and schedule) is simulated on its own."""
+    print(f"## Tail lower bound of the alignment overhead (sharegpt4o, join, budget {budget}, buffer {buffer})\n")
+    print("| W | samples/rank | seed | mean alone steps | max alone steps | tail bound (max/mean - 1) | seconds |")
+    print("|---|---|---|---|---|---|---|")
+    for n, seed, world in ((n, seed, world) for n in per_rank for seed in seeds for world in worlds):
+        config = ODBConfig(token_budget=budget, buffer_size=buffer, seed=seed)
+        lengths = sample_lengths("sharegpt4o", n * world, seed)
+        t0 = time.perf_counter()
+        shards = shard(permutation(len(lengths), seed, 0, True), world, "in_order", seed)
+        alone = [len(simulate([lengths[v] for v in views], 1, config, "in_order", shuffle=False).steps[0])
+                 for views in shards]
+        mean = sum(alone) / world
+        print(f"| {world} | {n:,} | {seed} | {mean:,.1f} | {max(alone):,} | {(max(alone) / mean - 1) * 100:.2f}% | "
+              f"{time.perf_counter() - t0:.0f} |", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -45,7 +45,7 @@ from odb_core.errors import (
 )
 from odb_core.protocol import CHAIN_STRIDE, Plan, RankProtocol, Step
 from odb_core.quota import QuotaTracker
-from odb_core.wire import HeaderGather, Status, StepGather
+from odb_core.wire import GatheredBytes, HeaderGather, Status, StepGather
 
 HELLO_MAGIC = 0x0DB1
 """First value of the handshake vector (a peer running another wire format is caught)."""
@@ -260,10 +260,10 @@ class EpochDriver:
             self._record_gather(proto, target=0, ended=False)
         return plan
 
-    def on_steps(self, gathered: Sequence[Sequence[int]] | StepGather) -> list[Output]:
-        """Emit the round's items; return what the trainer gets, in order: every item up to
-        the one that reaches the quota (non-join), none of this rank's idle items after its
-        :class:`LoopEnd` (``skip_idle``)."""
+    def on_steps(self, gathered: Sequence[Sequence[int]] | GatheredBytes | StepGather) -> list[Output]:
+        """Emit the round's items (``gathered`` as :meth:`RankProtocol.on_steps` takes it); return
+        what the trainer gets, in order: every item up to the one that reaches the quota
+        (non-join), none of this rank's idle items after its :class:`LoopEnd` (``skip_idle``)."""
         proto = self._proto()
         steps = proto.on_steps(gathered)
         self.rounds += 1

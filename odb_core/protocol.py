@@ -30,7 +30,7 @@ from odb_core.config import ODBConfig
 from odb_core.errors import InvalidSampleError, PeerInconsistencyError, ProtocolStateError
 from odb_core.grouping import check_length, hold_sparse
 from odb_core.loss import round_denominators, share
-from odb_core.wire import Header, HeaderGather, Status, StepGather, encode_steps
+from odb_core.wire import GatheredBytes, Header, HeaderGather, Status, StepGather, encode_steps
 
 CHAIN_STRIDE = 1 << 20
 """Non-join: chained iteration k of epoch e reads the sampler's permutation of epoch e + k x CHAIN_STRIDE."""
@@ -354,18 +354,19 @@ class RankProtocol:
         return Plan(target=target, done=False, step_vector=list(self._step_vector))
 
     # ---- 5. emit -------------------------------------------------------------------
-    def on_steps(self, gathered: Sequence[Sequence[int]] | StepGather) -> list[Step]:
+    def on_steps(self, gathered: Sequence[Sequence[int]] | GatheredBytes | StepGather) -> list[Step]:
         """Emit this round's items (B -> E) with their global accounting.
 
-        ``gathered``: the gathered step vectors, or a :class:`StepGather` decoded from them
-        against this round's headers and target (shared by simulated ranks); one decoded
-        against anything else is decoded again here, as raw vectors would be.
+        ``gathered``: the gathered step vectors, the gather's raw little-endian int64 bytes
+        (:data:`~odb_core.wire.GatheredBytes`: checked and summed without lists, P6), or a
+        :class:`StepGather` decoded from either against this round's headers and target
+        (shared by simulated ranks); one decoded against anything else is decoded again here.
         """
         self._require(Phase.STEPS_SENT, "on_steps")
         target = len(self._pending)
         if not (isinstance(gathered, StepGather) and gathered.belongs_to(self._headers, target)):
-            vectors = gathered.vectors if isinstance(gathered, StepGather) else gathered
-            gathered = StepGather(vectors, self._headers, target)
+            raw = gathered.gathered if isinstance(gathered, StepGather) else gathered
+            gathered = StepGather(raw, self._headers, target)
         mine = gathered.vector(self.rank)
         if mine != self._step_vector:
             raise PeerInconsistencyError(f"rank {self.rank}: gathered step vector differs from the one sent")

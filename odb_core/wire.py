@@ -280,36 +280,126 @@ class _Slow(Exception):
     """A fast decoder found something its checked twin must look at."""
 
 
+GatheredBytes = bytes | bytearray | memoryview
+"""A step gather as the collective wrote it: every rank's 2T int64 in rank order,
+little-endian (8 x W x 2T bytes); the adapter hands it over without decoding it."""
+
+
+@lru_cache(maxsize=32)
+def _sample_masks(target: int) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+    """For one rank's step vector read as a little-endian integer of 2T 64-bit slots (every
+    value below 2^48): 2^48 - 1 in each sample slot (the mask of the sample counts), bit 48
+    of each sample slot, and the (shift, mask) folds that sum the sample slots into slot 0."""
+    pair = b"\xff\xff\xff\xff\xff\xff\0\0" + bytes(8)
+    samples = int.from_bytes(pair * target, "little")
+    bit48 = int.from_bytes((bytes(6) + b"\x01" + bytes(9)) * target, "little")
+    folds, slots = [], target
+    while slots > 1:
+        half = (slots + 1) // 2
+        folds.append((128 * half, (1 << (128 * half)) - 1))
+        slots = half
+    return samples, bit48, tuple(folds)
+
+
+def _step_sums_bytes(data: GatheredBytes, headers: Sequence[Header], target: int) -> list[int]:
+    """:func:`_step_sums` of a gather's raw bytes (:data:`GatheredBytes`), with the same checks
+    and errors, without making a Python int of each value (P6: peer data is checked).
+
+    Every value below 2^48 (the two top bytes of each slot zero, one scan of the bytes), each
+    rank's vector is read as one integer: a ready rank's sample slots all >= 1 (adding
+    2^48 - 1 to each sets its bit 48) and their sum (folded into slot 0) at most its header's
+    samples, an inactive rank's vector zero; the ranks' integers add up to the field sums.
+    Anything else is decoded to int64 lists and decided by :func:`_step_sums_checked`."""
+    data = data if type(data) is bytes else bytes(data)
+    n, world = 2 * target, len(headers)
+    size = INT64_BYTES * n
+    if len(data) != world * size:
+        raise WireFormatError(f"step gather: expected {world} x {n} int64 values ({world * size} bytes), "
+                              f"got {len(data)} bytes")
+    try:
+        high = data[6::8] + data[7::8]
+        if not n or world > 1 << 16 or target >= 1 << 15 or high.count(0) != len(high):
+            raise _Slow
+        samples_mask, bit48, folds = _sample_masks(target)
+        from_bytes, total = int.from_bytes, 0
+        for r, header in enumerate(headers):
+            value = from_bytes(data[r * size:(r + 1) * size], "little")
+            if header.status is Status.READY:
+                held = value & samples_mask
+                if (held + samples_mask) & bit48 != bit48:
+                    raise _Slow  # an empty item
+                for shift, mask in folds:
+                    held = (held & mask) + (held >> shift)
+                if held > header.samples:
+                    raise _Slow
+            elif value:
+                raise _Slow
+            total += value
+    except _Slow:
+        return _step_sums_checked(_int64_vectors(data, world, n), headers, target)
+    return list(struct.unpack(f"<{n}Q", total.to_bytes(size, "little")))
+
+
+def _int64_vectors(data: bytes, world: int, n: int) -> list[list[int]]:
+    """The gather's bytes as ``world`` lists of ``n`` int64 (what ``tolist()`` gives)."""
+    unpack = struct.Struct(f"<{n}q").unpack_from
+    return [list(unpack(data, INT64_BYTES * n * r)) for r in range(world)]
+
+
 class StepGather:
     """Every rank's step vector of one round, checked as :func:`decode_steps` checks them
     against the round's :class:`HeaderGather` and target, with the global sums of each item
-    (what every rank's steps need); a rank reads its own vector with :meth:`vector`."""
+    (what every rank's steps need); a rank reads its own vector with :meth:`vector`.
 
-    __slots__ = ("headers", "target", "vectors", "global_samples", "global_tokens", "_derived")
+    ``gathered`` is the list of vectors or the gather's raw bytes (:data:`GatheredBytes`):
+    the same checks, sums and errors either way (the bytes are never made into lists
+    unless a check fails or :attr:`vectors` / :meth:`columns` is asked for)."""
 
-    def __init__(self, vectors: Sequence[Sequence[int]], headers: HeaderGather, target: int) -> None:
-        sums = _step_sums(vectors, headers, target)
+    __slots__ = ("headers", "target", "_raw", "_vectors", "global_samples", "global_tokens", "_derived")
+
+    def __init__(self, gathered: Sequence[Sequence[int]] | GatheredBytes, headers: HeaderGather, target: int) -> None:
+        if isinstance(gathered, (bytes, bytearray, memoryview)):
+            self._raw: bytes | None = bytes(gathered) if type(gathered) is not bytes else gathered
+            self._vectors: Sequence[Sequence[int]] | None = None
+            sums = _step_sums_bytes(self._raw, headers, target)
+        else:
+            self._raw, self._vectors = None, gathered
+            sums = _step_sums(gathered, headers, target)
         self.headers = headers
         self.target = target
-        self.vectors = vectors
-        """Per rank, its step vector as gathered."""
         self.global_samples = sums[0::2]
         """Per item, the sum of every rank's sample count."""
         self.global_tokens = sums[1::2]
         """Per item, the sum of every rank's loss-token count."""
         self._derived: dict[Any, Any] = {}
 
+    @property
+    def vectors(self) -> Sequence[Sequence[int]]:
+        """Per rank, its step vector as gathered (decoded from the bytes on first use)."""
+        if self._vectors is None:
+            assert self._raw is not None
+            self._vectors = _int64_vectors(self._raw, len(self.headers), 2 * self.target)
+        return self._vectors
+
     def belongs_to(self, headers: HeaderGather, target: int) -> bool:
         """Whether this gather was decoded against ``headers`` (the same object) and ``target``."""
         return self.headers is headers and self.target == target
 
+    @property
+    def gathered(self) -> Sequence[Sequence[int]] | bytes:
+        """What it was built from: the raw bytes, or the vectors."""
+        return self._raw if self._raw is not None else self.vectors
+
     def vector(self, rank: int) -> list[int]:
         """Rank ``rank``'s step vector (ints)."""
+        if self._vectors is None and self._raw is not None:
+            n = 2 * self.target
+            return list(struct.unpack_from(f"<{n}q", self._raw, INT64_BYTES * n * rank))
         return [int(v) for v in self.vectors[rank]]
 
     def columns(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
         """Per item, every rank's sample counts and every rank's loss-token counts (O(W x T))."""
-        columns = list(zip(*(self.vector(r) for r in range(len(self.vectors)))))
+        columns = list(zip(*(self.vector(r) for r in range(len(self.headers)))))
         return columns[0::2], columns[1::2]
 
     def derived(self, key: Any, fn: Callable[[], _T]) -> _T:

@@ -10,6 +10,7 @@ round. The reference below is the per-rank decoding (the raw vectors to every ra
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
@@ -229,3 +230,103 @@ def test_fast_header_decoding_agrees_with_the_rank_by_rank_decoder(data):
         vectors[data.draw(st.integers(0, world - 1))].pop()
     args = (vectors, data.draw(st.sampled_from([world, world + 1])), 2, 5)
     assert result_of(wire.decode_headers, *args) == result_of(reference_headers, *args)
+
+
+# ---- the step gather as raw bytes (what the collate process hands the core) ----------------
+
+INT64_VALUES = st.one_of(st.sampled_from([-1, -(2**63), 2**63 - 1, 2**48, 2**48 - 1, 2**47, 0, 1]),
+                         st.integers(0, 2**16), st.integers(-(2**63), 2**63 - 1))
+
+
+def as_bytes(vectors: Sequence[Sequence[int]]) -> bytes:
+    """The gather as a W x 2T int64 tensor's little-endian bytes."""
+    flat = [v for vector in vectors for v in vector]
+    return struct.pack(f"<{len(flat)}q", *flat)
+
+
+def bytes_gather_round(drivers: Sequence[EpochDriver]) -> tuple[bool, list[list[Any]]]:
+    """A real run's round as the collate process runs it: each rank gets the step gather's raw bytes."""
+    headers = [d.begin_round() for d in drivers]
+    plans = [d.on_headers(headers) for d in drivers]
+    if plans[0].done or plans[0].step_vector is None:
+        return plans[0].done, [[] for _ in drivers]
+    raw = as_bytes([plan.step_vector or [] for plan in plans])
+    outs = [d.on_steps(memoryview(raw)) for d in drivers]
+    return False, [[o.step for o in out if isinstance(o, Delivery)] for out in outs]
+
+
+@settings(max_examples=60)
+@given(small_cases())
+def test_step_bytes_give_the_per_rank_decoding_epoch(case):
+    """Every epoch (steps, weights, figures, states, errors) is the same when each rank reads
+    the step gather's raw bytes instead of lists."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(simulator, "gather_round", per_rank_gather_round)
+        reference = outcome(case)
+        m.setattr(simulator, "gather_round", bytes_gather_round)
+        assert outcome(case) == reference
+
+
+def bytes_agree_with_lists(vectors, headers, target, kind=bytes) -> None:
+    """The bytes path's sums or error (type, message, rank) are the lists' (P6)."""
+    raw = kind(as_bytes(vectors))
+    assert result_of(wire._step_sums_bytes, raw, headers, target) == result_of(wire._step_sums, vectors, headers,
+                                                                               target)
+
+
+@settings(max_examples=80)
+@given(st.data())
+def test_step_bytes_agree_with_the_lists(data):
+    """Sums and every error as the list path gives them, on valid vectors and on negative,
+    >= 2^48, empty, over-held and non-idle-while-inactive ones, for T up to 40 (every fold
+    shape); a bytes StepGather reads each rank's vector and the columns back."""
+    world, target = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 40))
+    headers, vectors = [], []
+    for _ in range(world):
+        status = data.draw(st.sampled_from([wire.Status.READY, wire.Status.READY, wire.Status.WAITING,
+                                            wire.Status.FINISHED]))
+        sizes = [data.draw(st.one_of(st.integers(1, 5), st.integers(1, 2**40))) for _ in range(target)]
+        samples = sum(sizes) + data.draw(st.integers(0, 3)) - data.draw(st.booleans()) if status is wire.Status.READY else 0
+        headers.append(wire.Header(0, 0, status, 1, 0, max(samples, 0), 0))
+        ready = status is wire.Status.READY
+        vectors.append([v for n in sizes for v in ((n, data.draw(st.integers(0, 9999))) if ready else (0, 0))])
+    for _ in range(data.draw(st.integers(0, 2))):  # corrupt some values
+        r, i = data.draw(st.integers(0, world - 1)), data.draw(st.integers(0, target - 1))
+        vectors[r][2 * i + data.draw(st.sampled_from([1, 0]))] = data.draw(INT64_VALUES)
+    bytes_agree_with_lists(vectors, headers, target, data.draw(st.sampled_from([bytes, bytearray, memoryview])))
+    gather = wire.HeaderGather(headers, 0, 0)
+    try:
+        from_lists = wire.StepGather(vectors, gather, target)
+    except (wire.WireFormatError, wire.PeerInconsistencyError):
+        return
+    from_bytes = wire.StepGather(as_bytes(vectors), gather, target)
+    assert [from_bytes.vector(r) for r in range(world)] == [from_lists.vector(r) for r in range(world)]
+    assert from_bytes.columns() == from_lists.columns() and from_bytes.vectors == vectors
+
+
+def test_step_bytes_of_the_wrong_size_are_a_wire_format_error():
+    headers = [wire.Header(0, 0, wire.Status.READY, 1, 0, 4, 0)] * 2
+    with pytest.raises(wire.WireFormatError, match=r"expected 2 x 4 int64 values \(64 bytes\), got 56 bytes"):
+        wire._step_sums_bytes(as_bytes([[1, 2, 1, 2], [1, 2, 1]]), headers, 2)
+
+
+@pytest.mark.parametrize("bug", ["fold", "empty"])
+def test_a_wrong_bytes_check_is_caught(monkeypatch, bug):
+    """Seeded bugs in the bytes path, each caught by the comparison above: the sample sum
+    folded at the wrong shift (an over-held rank passes) or the empty-item test lost."""
+    ready = wire.Header(0, 0, wire.Status.READY, 3, 0, 6, 0)
+    over_held = ([[1, 10, 2, 20, 4, 40]], [ready], 3)  # 7 samples, 6 held
+    empty = ([[1, 10, 0, 20, 4, 40]], [ready], 3)
+    for case in (over_held, empty):
+        bytes_agree_with_lists(*case)
+    masks = wire._sample_masks
+
+    def wrong(target):
+        samples, bit48, folds = masks(target)
+        if bug == "fold":
+            return samples, bit48, tuple((2 * shift, mask) for shift, mask in folds)
+        return samples, 0, folds
+
+    monkeypatch.setattr(wire, "_sample_masks", wrong)
+    with pytest.raises(AssertionError):
+        bytes_agree_with_lists(*(over_held if bug == "fold" else empty))
