@@ -361,6 +361,15 @@ class CollateServer:
 
     # ---- I/O helpers ------------------------------------------------------------------
     def _gather(self, values: list[int], what: str) -> list[list[int]]:
+        return self._gather_rows(values, what).tolist()
+
+    def _gather_steps(self, values: list[int]) -> bytes:
+        """The step gather's raw little-endian int64 bytes, as the core checks and sums them
+        without lists (``odb_core.wire.GatheredBytes``; O(W x T) Python ints saved per round)."""
+        return self._gather_rows(values, "step").numpy().astype("<i8", copy=False).tobytes()
+
+    def _gather_rows(self, values: list[int], what: str) -> torch.Tensor:
+        """Every rank's ``values``, one row per rank, gathered into one contiguous tensor."""
         mine = torch.tensor(values, dtype=torch.int64)
         rows = torch.empty((self.spec.world, len(values)), dtype=torch.int64)
         try:
@@ -407,15 +416,6 @@ class CollateServer:
             return
         self._close_trace()
         run = f"{urlparse(self.spec.init_method).port}-{cmd.serial}"
-        return self._gather_rows(values, what).tolist()
-
-    def _gather_steps(self, values: list[int]) -> bytes:
-        """The step gather's raw little-endian int64 bytes, as the core checks and sums them
-        without lists (``odb_core.wire.GatheredBytes``; O(W x T) Python ints saved per round)."""
-        return self._gather_rows(values, "step").numpy().astype("<i8", copy=False).tobytes()
-
-    def _gather_rows(self, values: list[int], what: str) -> torch.Tensor:
-        """Every rank's ``values``, one row per rank, gathered into one contiguous tensor."""
         self._trace_file = open(Path(self.trace_dir) / f"{run}-rank{self.spec.rank}.jsonl", "w")
 
     def _flush_trace(self, driver: EpochDriver) -> None:
