@@ -9,14 +9,19 @@ value with the message when it is small (no shared memory, no descriptor), one
 shared-memory tensor (one descriptor) when it is large. :func:`unpack_batch` rebuilds the
 batch in the trainer with the same structure, values, dtypes and shapes; each tensor has
 its own storage over the received buffer (by value) or is a view of the shared buffer.
-Only contiguous CPU tensors without autograd, inside exact dicts, lists and tuples, are
-packed; anything else (tensor subclasses, mapping subclasses such as ``BatchEncoding``,
-strings, numbers) travels as the queue's pickler sends it today. Moving data only:
-nothing here decides anything (P1-P8 are the core's).
+Only contiguous CPU tensors without autograd, inside exact dicts, lists and tuples and
+inside the ``data`` dict of a ``collections.UserDict`` (Hugging Face's ``BatchEncoding``,
+which its collators return), are packed; anything else (tensor subclasses, other mapping
+subclasses, strings, numbers) travels as the queue's pickler sends it. A ``UserDict`` is
+rebuilt as ``copy.copy`` of it around the unpacked ``data`` (its other attributes travel
+as its pickling sends them). Moving data only: nothing here decides anything (P1-P8 are
+the core's).
 """
 
 from __future__ import annotations
 
+import copy
+from collections import UserDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,9 +53,14 @@ class PackedBatch:
 
 
 def _map(x: Any, leaf: Callable[[Any], Any]) -> Any:
-    """Apply ``leaf`` to every leaf inside exact dicts, lists and tuples (subclasses are leaves)."""
+    """Apply ``leaf`` to every leaf inside exact dicts, lists and tuples and a ``UserDict``'s
+    exact ``data`` dict (other subclasses are leaves)."""
     if type(x) is dict:
         return {k: _map(v, leaf) for k, v in x.items()}
+    if isinstance(x, UserDict) and type(x.data) is dict:
+        out = copy.copy(x)  # UserDict.__copy__: the instance's attributes, not its data, shared
+        out.data = {k: _map(v, leaf) for k, v in x.data.items()}
+        return out
     if type(x) is list:
         return [_map(v, leaf) for v in x]
     if type(x) is tuple:

@@ -4,6 +4,7 @@ shapes and values, through the real message encoding (odb_torch/messages.py)."""
 
 from __future__ import annotations
 
+from collections import UserDict
 from typing import Any
 
 import pytest
@@ -36,7 +37,9 @@ def tensors(draw: st.DrawFn) -> torch.Tensor:
 leaves = st.one_of(tensors(), st.integers(), st.text(max_size=3), st.none())
 batches = st.recursive(leaves, lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.text(max_size=2), c,
                                                                                             max_size=3),
-                                                   st.lists(c, max_size=3).map(tuple)), max_leaves=10)
+                                                   st.lists(c, max_size=3).map(tuple),
+                                                   st.dictionaries(st.text(max_size=2), c, max_size=3).map(UserDict)),
+                         max_leaves=10)
 
 
 def same_batch(a: Any, b: Any) -> bool:
@@ -45,6 +48,8 @@ def same_batch(a: Any, b: Any) -> bool:
         return False
     if isinstance(a, torch.Tensor):
         return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, UserDict):
+        return same_batch(a.data, b.data)
     if isinstance(a, dict):
         return list(a) == list(b) and all(same_batch(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
@@ -101,3 +106,14 @@ def test_the_round_trip_check_catches_a_shifted_slot(monkeypatch: pytest.MonkeyP
     assert same_batch(batch, through_messages(batch))
     monkeypatch.setattr("odb_torch.messages.unpack_batch", shifted)
     assert not same_batch(batch, through_messages(batch))
+
+
+def test_a_hugging_face_batch_encoding_travels_in_the_flat_buffer() -> None:
+    """HF collators return a ``BatchEncoding`` (a ``UserDict``): its tensors travel in the flat
+    buffer too (no descriptor), and it arrives a ``BatchEncoding`` with equal tensors."""
+    transformers = pytest.importorskip("transformers")
+    batch = transformers.BatchEncoding({"input_ids": torch.arange(6).view(2, 3),
+                                        "attention_mask": torch.ones(2, 3, dtype=torch.int64)})
+    assert b"rebuild_storage" not in encode(Batch(batch, INFO, (0,)))
+    got = through_messages(batch)
+    assert type(got) is type(batch) and same_batch(batch, got) and got.input_ids is got["input_ids"]
