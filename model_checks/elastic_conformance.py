@@ -6,8 +6,8 @@ the resume did not yield. ODB.tla itself is linked to the core by ``conformance.
 (state-space equality on small scenarios, trace replay of random ones); what links Elastic.tla
 is that its deal is :func:`odb_core.elastic.assign_views` over the
 :class:`~odb_core.elastic.GlobalState` that :func:`~odb_core.elastic.merge_states`
-returns. This module draws random cases (an epoch's global order of lengths, W real
-ranks' loader states of a step boundary, W'), merges the states with the core, deals the
+returns. This module draws random cases (an epoch's global order of lengths, W
+ranks' state_dict-shaped states with random consumed sets, W'), merges the states with the core, deals the
 rest with the core, and has TLC evaluate ``DealOp`` of every case through a parameterised
 ``INSTANCE Elastic``: one TLC run, whose ASSUME prints the cases where the spec's deal
 differs from each implementation's (the core's and seeded wrong ones).

@@ -300,7 +300,7 @@ def test_window_states_of_another_world_are_merged_and_disagreeing_counters_refu
 
 @pytest.mark.timeout(120)
 def test_elastic_spec_deals_as_the_core_and_catches_seeded_wrong_deals() -> None:
-    """Conformance of spec/Elastic.tla and odb_core.elastic: for 60 random cases (W=1..4 real
+    """Conformance of spec/Elastic.tla and odb_core.elastic: for 60 random cases (W=1..4
     loader states of one step boundary merged by merge_states, W'=1..4), TLC evaluates the spec's
     DealOp through a parameterised INSTANCE and it equals assign_views on every case; two seeded
     wrong deals (the first buffered view taken for consumed: the spec's MutDealForget; contiguous
