@@ -148,6 +148,8 @@ class CollateServer:
         self._template: Any = None  # a sample of this rank, collated for idle items
         self._loading: Iterator[Any] | None = None  # the current iteration's loads (owns the workers)
         self._driver: EpochDriver | None = None
+        self._prepared: tuple[StartEpoch, EpochDriver] | None = None  # an epoch started before its handshake
+        self._load_state: tuple[list[int], list[list[int]], int] | None = None  # views, chunks, next chunk
 
     # ---- the process ------------------------------------------------------------------
     def serve(self) -> None:
@@ -158,15 +160,26 @@ class CollateServer:
         except DescriptorLimitError as exc:
             self.out.put(encode(Failure(exc)))
             return
+        # iter(loader) sends the first epoch's command as it starts this process: its
+        # DataLoader workers start loading while the collate group forms
+        if (cmd := self._next_command()) is None:
+            return
+        self._prepare(cmd)
+        # a worker's death (SIGCHLD) is reported after the rendezvous, as a SampleLoadError
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         try:
             store, self.pg = _collate_group(spec)
         except Exception as exc:
-            self.out.put(encode(Failure(PeerError(f"rank {spec.rank}: collate group rendezvous at {spec.init_method} "
-                                                  f"failed: {type(exc).__name__}: {exc}", rank=spec.rank))))
+            self._close_loading()
+            self.out.put(encode(Failure(self._as_error(exc) if worker_death(exc) else PeerError(
+                f"rank {spec.rank}: collate group rendezvous at {spec.init_method} failed: {type(exc).__name__}: "
+                f"{exc}", rank=spec.rank))))
             return
         try:
-            while (cmd := self._next_command()) is not None:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+            while cmd is not None:
                 self.run_epoch(cmd)
+                cmd = self._next_command()
         except _ParentGone:
             pass
         except BaseException as exc:  # anything reaches the trainer, typed
@@ -191,9 +204,7 @@ class CollateServer:
         :class:`SampleLoadError` naming the views it was loading, whatever it interrupted)."""
         rank = self.spec.rank
         if (death := worker_death(exc)) is not None:
-            driver = self._driver
-            awaited = sorted(driver.views[p] for p in driver.protocol.in_flight if p not in self._ahead) \
-                if driver is not None and driver.protocol is not None else []
+            awaited = self._awaited()
             return SampleLoadError(f"rank {rank}: a DataLoader worker died while loading dataset indices "
                                    f"{awaited}: {death}", rank=rank, indices=awaited)
         if isinstance(exc, ODBError):
@@ -201,13 +212,20 @@ class CollateServer:
         return CollateProcessError(f"rank {rank}: collate process crashed: {type(exc).__name__}: {exc}\n"
                                    f"{traceback.format_exc()}", rank=rank)
 
+    def _awaited(self) -> list[int]:
+        """The dataset indices of the chunks the DataLoader's workers hold (sent, not yet
+        returned: ``prefetch_factor`` per worker): a dead worker was loading one of them."""
+        if self._load_state is None:
+            return []
+        views, chunks, k = self._load_state
+        held = (self.spec.prefetch_factor or 2) * max(self.spec.num_workers, 1)
+        return sorted(views[p] for chunk in chunks[k:k + held] for p in chunk)
+
     def _fail(self, exc: BaseException) -> None:
         error = self._as_error(exc)
         if exc.__traceback__ is not None:  # drop the frames' locals: the DataLoader iterator among them
             traceback.clear_frames(exc.__traceback__)
-        if self._loading is not None:  # shut the DataLoader workers down now (a stuck one included)
-            self._loading.close()  # type: ignore[attr-defined]
-            self._loading = None
+        self._close_loading()  # shut the DataLoader workers down now (a stuck one included)
         try:
             self._put(Failure(error), watch_ctrl=False)
             # Batches already queued share their tensors through this process: stay
@@ -221,9 +239,9 @@ class CollateServer:
     def run_epoch(self, cmd: StartEpoch) -> None:
         """Drive one epoch of the core's driver; every decision is the driver's."""
         spec = self.spec
-        driver = spec.driver_cls(spec.config, spec.rank, spec.world, cmd.epoch, quota=len(spec.dataset),  # type: ignore[arg-type]
-                                 skip=cmd.skip, first_step=cmd.first_step, skip_idle=spec.skip_idle,
-                                 trace=[] if self.trace_dir else None)
+        self._prepare(cmd)
+        driver = self._prepared[1] if self._prepared is not None else self._new_driver(cmd)
+        self._prepared = None
         self._driver = driver
         self._open_trace(cmd)
         try:
@@ -238,21 +256,56 @@ class CollateServer:
     def _rounds(self, driver: EpochDriver) -> bool:
         """The epoch's rounds; True if this rank's loop already got its :class:`EpochEnd`."""
         ended = False
-        loads: Iterator[list[tuple[int, Any, tuple[int, int]]]] = iter(())
+        # an iteration _prepare started is under way: its loads are self._loading
+        loads: Iterator[list[tuple[int, Any, tuple[int, int]]]] = self._loading or iter(())
         samples: dict[int, Any] = {}  # B: position -> sample
         while not driver.done:
-            if (epoch := driver.sampler_epoch) is not None:
-                if hasattr(self.sampler, "set_epoch"):
-                    self.sampler.set_epoch(epoch)
-                driver.start_iteration([int(i) for i in self.sampler])
-                if self._loading is not None:
-                    self._loading.close()  # type: ignore[attr-defined]
-                loads = self._loading = self._loads(driver.views)
-                samples, self._ahead, self._template = {}, {}, None
+            if driver.sampler_epoch is not None:
+                self._start_iteration(driver)
+                loads, samples = self._loading or iter(()), {}
                 continue
             self._fill(driver, loads, samples)
             ended = self._round(driver, samples) or ended
         return ended
+
+    def _new_driver(self, cmd: StartEpoch) -> EpochDriver:
+        spec = self.spec
+        return spec.driver_cls(spec.config, spec.rank, spec.world, cmd.epoch, quota=len(spec.dataset),  # type: ignore[arg-type]
+                               skip=cmd.skip, first_step=cmd.first_step, skip_idle=spec.skip_idle,
+                               trace=[] if self.trace_dir else None)
+
+    def _start_iteration(self, driver: EpochDriver) -> None:
+        """The driver's next logical iteration over the sampler's order, and its loads started
+        (the DataLoader's workers begin on the first chunks at once)."""
+        epoch = driver.sampler_epoch
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+        driver.start_iteration([int(i) for i in self.sampler])
+        self._close_loading()
+        self._loading = self._loads(driver.views)
+        next(self._loading)  # runs up to iter(DataLoader): the workers start loading
+        self._ahead, self._template = {}, None
+
+    def _prepare(self, cmd: StartEpoch) -> None:
+        """Start ``cmd``'s first iteration before its handshake (the first epoch's before the
+        collate group forms), so loading overlaps them: the loads run in view order whatever
+        the driver fetches, and samples loaded ahead wait in R (P1). Only moves time; an
+        error here is left for :meth:`run_epoch` to meet where the protocol meets it."""
+        if (self._prepared is not None and self._prepared[0] is cmd) or hasattr(self.sampler, "server_cls"):
+            return  # prepared already, or a stream's server, which reads its own way
+        self._prepared = None
+        try:
+            driver = self._new_driver(cmd)
+            self._start_iteration(driver)
+        except Exception:
+            self._close_loading()
+            return
+        self._prepared = (cmd, driver)
+
+    def _close_loading(self) -> None:
+        if self._loading is not None:
+            self._loading.close()  # type: ignore[attr-defined]
+            self._loading = None
 
     def _round(self, driver: EpochDriver, samples: dict[int, Any]) -> bool:
         """One round after this rank's arrivals: gather the headers, then (an emitting round)
@@ -289,10 +342,14 @@ class CollateServer:
                 self._ahead[pos] = (sample, measure)
 
     def _loads(self, views: list[int]) -> Iterator[list[tuple[int, Any, tuple[int, int]]]]:
-        """Chunks of loaded (position, sample, (length, tokens)), in position order."""
+        """Chunks of loaded (position, sample, (length, tokens)), in position order, after a
+        first empty one once the DataLoader's workers have their first chunks to load."""
         spec = self.spec
         size = chunk_size(spec.config, spec.num_workers)
         chunks = [list(range(k, min(k + size, len(views)))) for k in range(0, len(views), size)]
+        if not chunks:
+            yield []
+            return
         workers = spec.num_workers
         loader = DataLoader(
             _ViewDataset(IndexedDataset(spec.dataset, spec.rank), views), batch_sampler=chunks,
@@ -303,7 +360,10 @@ class CollateServer:
             timeout=check_interval(spec.timeout) if workers else 0,
         )
         it = iter(loader)
-        for chunk in chunks:
+        self._load_state = (views, chunks, 0)
+        yield []
+        for k, chunk in enumerate(chunks):
+            self._load_state = (views, chunks, k)
             packed = self._next_chunk(it, [views[p] for p in chunk])
             assert packed.measures is not None
             yield list(zip(chunk, unpack(packed), packed.measures))
