@@ -162,26 +162,34 @@ def reference_step_sums(vectors, headers, target):
     return [sum(rank[i][j] for rank in pairs) for i in range(target) for j in (0, 1)]
 
 
-@settings(max_examples=400)
-@given(st.data())
-def test_fast_step_decoding_agrees_with_the_rank_by_rank_decoder(data):
-    """Sums and every error (type, message, rank named) as decode_steps gives them, on
-    valid, out-of-range, wrongly typed, self-contradicting and mis-sized vectors."""
-    world, target = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 4))
+def draw_round(data, target, sizes_st, corrupt_st):
+    """One round's step vectors and headers for 1-5 ranks: READY ranks' (samples, tokens)
+    items summing to about their header's count (off by -1..3), others all zero, then up
+    to two values replaced from ``corrupt_st``."""
     headers, vectors = [], []
-    for _ in range(world):
+    for _ in range(data.draw(st.integers(1, 5))):
         status = data.draw(st.sampled_from([wire.Status.READY, wire.Status.READY, wire.Status.WAITING,
                                             wire.Status.FINISHED]))
-        sizes = [data.draw(st.integers(1, 5)) for _ in range(target)]
+        sizes = [data.draw(sizes_st) for _ in range(target)]
         samples = sum(sizes) + data.draw(st.integers(0, 3)) - data.draw(st.booleans()) if status is wire.Status.READY else 0
         headers.append(wire.Header(0, 0, status, 1, 0, max(samples, 0), 0))
         ready = status is wire.Status.READY
         vectors.append([v for n in sizes for v in ((n, data.draw(st.integers(0, 9999))) if ready else (0, 0))])
     for _ in range(data.draw(st.integers(0, 2))):  # corrupt some values
-        r, i = data.draw(st.integers(0, world - 1)), data.draw(st.integers(0, target - 1))
-        vectors[r][2 * i + data.draw(st.sampled_from([1, 0]))] = data.draw(WIRE_VALUES)  # tokens, samples
+        r, i = data.draw(st.integers(0, len(vectors) - 1)), data.draw(st.integers(0, target - 1))
+        vectors[r][2 * i + data.draw(st.sampled_from([1, 0]))] = data.draw(corrupt_st)  # tokens, samples
+    return vectors, headers
+
+
+@settings(max_examples=400)
+@given(st.data())
+def test_fast_step_decoding_agrees_with_the_rank_by_rank_decoder(data):
+    """Sums and every error (type, message, rank named) as decode_steps gives them, on
+    valid, out-of-range, wrongly typed, self-contradicting and mis-sized vectors."""
+    target = data.draw(st.integers(1, 4))
+    vectors, headers = draw_round(data, target, st.integers(1, 5), WIRE_VALUES)
     if data.draw(st.integers(0, 9)) == 0:
-        vectors[data.draw(st.integers(0, world - 1))].append(0)
+        vectors[data.draw(st.integers(0, len(vectors) - 1))].append(0)
     assert result_of(wire._step_sums, vectors, headers, target) == result_of(reference_step_sums, vectors,
                                                                                headers, target)
 
@@ -280,19 +288,8 @@ def test_step_bytes_agree_with_the_lists(data):
     """Sums and every error as the list path gives them, on valid vectors and on negative,
     >= 2^48, empty, over-held and non-idle-while-inactive ones, for T up to 40 (every fold
     shape); a bytes StepGather reads each rank's vector and the columns back."""
-    world, target = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 40))
-    headers, vectors = [], []
-    for _ in range(world):
-        status = data.draw(st.sampled_from([wire.Status.READY, wire.Status.READY, wire.Status.WAITING,
-                                            wire.Status.FINISHED]))
-        sizes = [data.draw(st.one_of(st.integers(1, 5), st.integers(1, 2**40))) for _ in range(target)]
-        samples = sum(sizes) + data.draw(st.integers(0, 3)) - data.draw(st.booleans()) if status is wire.Status.READY else 0
-        headers.append(wire.Header(0, 0, status, 1, 0, max(samples, 0), 0))
-        ready = status is wire.Status.READY
-        vectors.append([v for n in sizes for v in ((n, data.draw(st.integers(0, 9999))) if ready else (0, 0))])
-    for _ in range(data.draw(st.integers(0, 2))):  # corrupt some values
-        r, i = data.draw(st.integers(0, world - 1)), data.draw(st.integers(0, target - 1))
-        vectors[r][2 * i + data.draw(st.sampled_from([1, 0]))] = data.draw(INT64_VALUES)
+    target = data.draw(st.integers(1, 40))
+    vectors, headers = draw_round(data, target, st.one_of(st.integers(1, 5), st.integers(1, 2**40)), INT64_VALUES)
     bytes_agree_with_lists(vectors, headers, target, data.draw(st.sampled_from([bytes, bytearray, memoryview])))
     gather = wire.HeaderGather(headers, 0, 0)
     try:
@@ -300,7 +297,7 @@ def test_step_bytes_agree_with_the_lists(data):
     except (wire.WireFormatError, wire.PeerInconsistencyError):
         return
     from_bytes = wire.StepGather(as_bytes(vectors), gather, target)
-    assert [from_bytes.vector(r) for r in range(world)] == [from_lists.vector(r) for r in range(world)]
+    assert [from_bytes.vector(r) for r in range(len(vectors))] == [from_lists.vector(r) for r in range(len(vectors))]
     assert from_bytes.columns() == from_lists.columns() and from_bytes.vectors == vectors
 
 
