@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,7 @@ def test_hf_trainer_w1_packed_epochs_weights_schedule_throughput(tmp_path):
     assert ranks[0]["global_step"] == len({rec["update"] for rec in ranks[0]["records"]})
 
 
-def test_hf_trainer_w2_resume_mid_epoch_loses_nothing_repeats_nothing(tmp_path):
+def test_hf_trainer_w2_resume_mid_epoch_loses_nothing_repeats_nothing_on_2_and_on_1_rank(tmp_path):
     lengths = [TokenDataset(N).length(i) for i in range(N)]
     assert max(lengths) > 2 * min(lengths)  # variable-size batches, so ranks form different counts
     # run A: checkpoint every 4 updates, "crash" at update 6 (its updates 5-6 are lost with it)
@@ -87,6 +88,8 @@ def test_hf_trainer_w2_resume_mid_epoch_loses_nothing_repeats_nothing(tmp_path):
     assert (tmp_path / "run" / "checkpoint-4" / "odb_state_rank1.json").is_file()
     # run B: resume from the last checkpoint (checkpoint-4) and finish both epochs
     (tmp_path / "run" / "checkpoint-6").exists() and pytest.fail("no checkpoint was due at update 6")
+    elastic = tmp_path / "elastic"  # the same checkpoint, for run C on another world size
+    shutil.copytree(tmp_path / "run", elastic / "run")
     second = run(tmp_path, "b", world=2, epochs=2, accum=2, save_steps=4, resume=True)
     assert min(rec["update"] for r in second for rec in r["records"]) == 4
     before = trained([r["records"] for r in first], keep=lambda rec: rec["update"] < 4)
@@ -98,3 +101,10 @@ def test_hf_trainer_w2_resume_mid_epoch_loses_nothing_repeats_nothing(tmp_path):
     m = second[0]["metrics"]
     resumed_samples = sum(len(ids) for ids in after.values())
     assert abs(m["train_samples_per_second"] * m["train_runtime"] - resumed_samples) < 1.0
+    # run C: checkpoint-4 of the 2-rank run resumed on 1 rank (elastic, W=2 -> 1): the rest of
+    # each epoch is every index not trained before the checkpoint, once
+    third = run(elastic, "c", world=1, epochs=2, accum=2, resume=True)
+    assert min(rec["update"] for rec in third[0]["records"]) == 4
+    check_resume_exactly_once(before, trained([third[0]["records"]]), N)
+    check_windows([third[0]["records"]], accum=2)
+    check_lr_follows_samples(third)
