@@ -188,6 +188,9 @@ class CollateServer:
             self._close_trace()
             self.pg = None
             del store  # the collate group's store lives exactly as long as the loop
+            # the loop ends on Stop or with the trainer gone: nobody reads the queue any more,
+            # so this process's exit must not wait for its feeder thread to flush (see collate_main)
+            self.out.cancel_join_thread()
 
     def _next_command(self) -> StartEpoch | None:
         while True:
@@ -499,8 +502,20 @@ def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any) -> None:
     child inherits the trainer's Python signal handlers (a framework's SIGTERM handler
     that only sets a flag, torch's SIGCHLD handler for the trainer's own DataLoader
     workers): SIGTERM and SIGCHLD go back to their defaults, so ``terminate()`` ends it.
-    A sampler with a ``server_cls`` (a stream's, :mod:`odb_torch.stream_loading`) names the server."""
+    A sampler with a ``server_cls`` (a stream's, :mod:`odb_torch.stream_loading`) names the server.
+
+    If the trainer is gone when serving ends (killed, or ``os._exit``), nobody will read the
+    output queue: a batch the queue's feeder thread is still writing (over the pipe's 64 KiB:
+    inline batches reach 4 MiB) would block it forever, and with it this process's exit,
+    which joins the feeder (an orphan holding the trainer's stdout: a launcher waiting on
+    it hangs). So the join is cancelled then (``Queue.cancel_join_thread``), as it is after a
+    Stop (:meth:`CollateServer.serve`): a Failure sent before either was read already."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    getattr(sampler, "server_cls", CollateServer)(spec, sampler, ctrl, out).serve()
+    parent = os.getppid()
+    try:
+        getattr(sampler, "server_cls", CollateServer)(spec, sampler, ctrl, out).serve()
+    finally:
+        if os.getppid() != parent:
+            out.cancel_join_thread()

@@ -125,11 +125,18 @@ class Lines(Dataset):
     def __getitem__(self, i):
         return {"input_ids": torch.arange(1 + i % 17)}
 
+def big_collate(samples):
+    """A batch over the pipe's 64 KiB: travels inline, so an unread one fills the queue's pipe."""
+    return {**pad_collate(samples), "payload": torch.zeros(1 << 16)}
+
 def main(how):
     global loader
-    loader = ODBDataLoader(Lines(), token_budget=64, collate_fn=pad_collate, num_workers=1, timeout=20,
-                           start_method=os.environ["ODB_TEST_START"])  # never closed
+    loader = ODBDataLoader(Lines(), token_budget=64, collate_fn=big_collate if how in ("crash", "break") else pad_collate,
+                           num_workers=1, timeout=20, start_method=os.environ["ODB_TEST_START"])  # never closed
     for k, batch in enumerate(loader):
+        if how == "crash" and k == 2:
+            print("crashing", flush=True)
+            os._exit(3)  # the trainer dies at once (no cleanup), its collate process mid-epoch
         if how == "break" and k == 2:
             break
         if how == "raise" and k == 2:
@@ -176,6 +183,7 @@ def run_script(tmp_path: Path, how: str, start: str, timeout: float = 90) -> tup
 @pytest.mark.parametrize(("how", "start", "code", "needle"), [
     ("epoch", "auto", 0, "done"),  # a full epoch, the loader left open at module level
     ("break", "spawn", 0, "done"),  # after a break
+    ("crash", "auto", 3, "crashing"),  # os._exit mid-epoch, batches waiting in a full queue pipe
     ("raise", "auto", 1, "the training step failed"),  # an uncaught exception
     ("sigint", "spawn", -signal.SIGINT, "KeyboardInterrupt"),  # Ctrl-C (Python exits by the signal)
     ("stdin", "auto", 0, "done"),  # python - < train.py, Lines defined in __main__: fork needs no import
