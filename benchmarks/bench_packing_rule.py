@@ -14,11 +14,13 @@ longer than L_max, alone) left out of both. For each fitted length distribution 
   with area L_max: at most D = 1024 samples, never twice in a row) and regroup with the
   next arrivals. Rules: ``nfd`` next-fit decreasing (contiguous runs of the sorted buffer,
   the cheapest), ``ffd`` first-fit decreasing, ``bfd`` best-fit decreasing (the core's
-  :func:`odb_core.packing.pack_buffer`, checked against this file's own best-fit), ``wfd``
-  worst-fit decreasing;
+  :func:`odb_core.packing.pack_buffer` with nothing held, checked against this file's own
+  best-fit), ``wfd`` worst-fit decreasing, and ``bfd-hf``, best fit walking the samples held
+  at the last round first (the core's rule: ``pack_buffer`` given the held set);
 * the **offline oracle**: first-fit decreasing over all the distribution's lengths at once,
   and the bound no packing beats, ceil(sum of sizes / L_max) groups;
-* **cost**: the median CPU time of one rule on one full buffer (1024 samples), and of
+* **cost**: the median CPU time of one rule on one full buffer (1024 samples, every tenth
+  key marked held), and of
   the padded budget's B(l) walk (``blwalk``) for scale;
 * **protocol**: ``audit(simulate(...)).budget_fill`` of the real protocol with
   ``budget="packed"`` at W = 1 and W = 8 (balanced target, regroup 0.02 and off), against
@@ -47,7 +49,8 @@ from odb_core.packing import pack_buffer, size_of  # noqa: E402
 from odb_tools.bench_packed import first_fit_in_order  # noqa: E402
 
 L_MAX, BUFFER = 8192, 1024
-Rule = Callable[[dict[int, int], int], list[list[int]]]
+Rule = Callable[[dict[int, int], int, set[int]], list[list[int]]]
+"""A rule over one buffer (key -> length), L_max and the keys held back at the last round."""
 
 
 def _descending(lengths: dict[int, int]) -> list[int]:
@@ -108,13 +111,15 @@ def worst_fit(lengths: dict[int, int], budget: int) -> list[list[int]]:
     return groups
 
 
-def short_to_long(rule: Rule) -> Rule:
-    """The rule's groups in the core's layout (short to long, keys ascending), as hold_sparse expects."""
-    return lambda lengths, budget: [list(reversed(g)) for g in reversed(rule(lengths, budget))]
+def short_to_long(rule: Callable[[dict[int, int], int], list[list[int]]]) -> Rule:
+    """The rule's groups in the core's layout (short to long, keys ascending), as hold_sparse
+    expects; the rule walks held keys with the others."""
+    return lambda lengths, budget, held: [list(reversed(g)) for g in reversed(rule(lengths, budget))]
 
 
+#: ``bfd-hf``: best fit walking the held keys first (the core's rule, pack_buffer with its held set)
 RULES: dict[str, Rule] = {"nfd": short_to_long(next_fit), "ffd": short_to_long(first_fit),
-                          "bfd": short_to_long(best_fit), "wfd": short_to_long(worst_fit)}
+                          "bfd": short_to_long(best_fit), "wfd": short_to_long(worst_fit), "bfd-hf": pack_buffer}
 
 
 def efficiency(groups: list[list[int]], lengths: Sequence[int] | dict[int, int], budget: int) -> tuple[float, int]:
@@ -133,7 +138,7 @@ def online(lengths: list[int], rule: Rule, hold: bool) -> list[list[int]]:
         while len(buffer) - len(held) < BUFFER and nxt < len(lengths):
             buffer[nxt] = lengths[nxt]
             nxt += 1
-        groups = rule(buffer, L_MAX)
+        groups = rule(buffer, L_MAX, held)
         kept, holding = (hold_sparse(groups, buffer, Fraction(1, 50), held, BUFFER, area=L_MAX)
                          if hold and nxt < len(lengths) else (groups, []))
         held = {k for g in holding for k in g}
@@ -150,7 +155,7 @@ def rule_cpu(rule: Rule, lengths: list[int], reps: int = 21) -> float:
     for r in range(reps):
         buf = {k: lengths[(r * BUFFER + k) % len(lengths)] for k in range(BUFFER)}
         t0 = time.process_time()
-        rule(buf, L_MAX)
+        rule(buf, L_MAX, set(range(0, BUFFER, 10)))
         times.append(time.process_time() - t0)
     return statistics.median(times)
 
@@ -186,7 +191,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     probe = sample_lengths("sharegpt4o", 4 * BUFFER, 1)
-    assert RULES["bfd"]({k: probe[k] for k in range(BUFFER)}, L_MAX) == pack_buffer(
+    assert RULES["bfd"]({k: probe[k] for k in range(BUFFER)}, L_MAX, set()) == pack_buffer(
         {k: probe[k] for k in range(BUFFER)}, L_MAX), "the core's pack_buffer is not this file's best fit"
     results: dict[str, dict[str, float]] = {}
     for name in DISTRIBUTIONS:
@@ -197,7 +202,7 @@ def main() -> None:
                 eff, groups = efficiency(online(lengths, rule, hold), lengths, L_MAX)
                 row[rule_name + ("+hold" if hold else "")] = eff
             row[rule_name + "_cpu_ms"] = 1000 * rule_cpu(rule, lengths)
-        row["blwalk_cpu_ms"] = 1000 * rule_cpu(group_buffer, lengths)
+        row["blwalk_cpu_ms"] = 1000 * rule_cpu(lambda lengths, budget, held: group_buffer(lengths, budget), lengths)
         row.update({f"oracle_{k}": v for k, v in oracle(lengths).items()})
         row.update(protocol(lengths))
         results[name] = row

@@ -327,6 +327,9 @@ STATE_SPACE_SCENARIOS = (  # in aligned order, so the core's state space equals 
     # one buffer where best fit and first fit differ (spec/MC.tla Len_1b)
     Scenario("join_1_best_fit", ((1, 9, 12, 10),), budget=20, buffer_size=4, depth=4, policy="balanced",
              regroup=(0, 0), budget_kind="packed", shuffle=False),
+    # regroup holds the packed pair (3, 4); the next buffer walks it first, so 5 does not split it
+    Scenario("join_1_held_first", ((3, 9, 4, 5),), buffer_size=3, depth=4, policy="balanced", budget_kind="packed",
+             shuffle=False),
 )
 SHUFFLED_SCENARIOS = (  # shuffled steps: one seeded order per round, inside the spec's every order
     # 3 views per rank: 2,712 core states, 440 of them reached only by shuffling (17 s; the 4-view

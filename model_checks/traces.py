@@ -280,9 +280,9 @@ def _brule_detail(trace: Trace, j: int) -> str:
     lengths, kind = trace.scenario.lengths, trace.scenario.budget_kind
     parts = []
     for r, groups in enumerate(pack):
-        buf = before[_IX["B"]][r]
+        buf, held = before[_IX["B"]][r], {p - 1 for p in before[_IX["H"]][r]}
         rule = tuple(tuple(p + 1 for p in g) for g in BUFFER_RULES[kind]({p - 1: lengths[r][p - 1] for p in buf},
-                                                                         trace.scenario.budget)) if buf else ()
+                                                                         trace.scenario.budget, held)) if buf else ()
         if groups and groups != rule:
             name = "the packing" if kind == "packed" else "B(l)"
             parts.append(f"rank {r + 1} recorded {groups}, {name} gives {rule}")

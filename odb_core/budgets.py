@@ -3,8 +3,8 @@
 * ``"padded"``: a group costs max_len x size (a padded batch); grouped by the B(l) walk
   (:func:`~odb_core.grouping.group_buffer`).
 * ``"packed"``: a group costs the sum of its sizes, a zero length counting as 1 (a
-  concatenated, padding-free batch); grouped by best-fit decreasing
-  (:func:`~odb_core.packing.pack_buffer`).
+  concatenated, padding-free batch); grouped by best-fit decreasing, the samples held back to regroup
+  walked first (:func:`~odb_core.packing.pack_buffer`).
 
 P3 (Budget) under either: every group of >= 2 samples costs at most L_max; a sample
 longer than L_max travels alone and is counted, never dropped.
@@ -13,14 +13,23 @@ longer than L_max travels alone and is counted, never dropped.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 from odb_core.grouping import form_groups, group_buffer, padded_tokens
 from odb_core.packing import pack_buffer, pack_groups, packed_tokens
 
-BufferRule = Callable[[Mapping[int, int], int], list[list[int]]]
-"""One round's grouping of a buffer (key -> length) under a token budget L_max."""
+BufferRule = Callable[[Mapping[int, int], int, AbstractSet[int]], list[list[int]]]
+"""One round's grouping of a buffer (key -> length) under a token budget L_max, given the
+keys held back to regroup at the last round (a subset of the buffer's keys)."""
 
-BUFFER_RULES: dict[str, BufferRule] = {"padded": group_buffer, "packed": pack_buffer}
+
+def group_buffer_rule(lengths: Mapping[int, int], token_budget: int, held: AbstractSet[int]) -> list[list[int]]:
+    """The padded budget's rule: the B(l) walk (:func:`~odb_core.grouping.group_buffer`);
+    held keys are walked with the others (the walk depends on lengths only)."""
+    return group_buffer(lengths, token_budget)
+
+
+BUFFER_RULES: dict[str, BufferRule] = {"padded": group_buffer_rule, "packed": pack_buffer}
 """The grouping rule of each budget name (:data:`odb_core.config.BUDGETS`)."""
 
 

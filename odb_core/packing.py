@@ -7,15 +7,17 @@ L_max samples), and P3 for the packed budget reads: every group of >= 2 samples 
 sum of sizes <= L_max; a sample longer than L_max travels alone and is counted, never
 dropped.
 
-The rule (chosen on measurements: ``benchmarks/bench_packing_rule.py``): walk the buffer
-from the longest sample to the shortest (keys sorted by (length, key), walked backwards)
-and put each sample into the fullest open group it fits in (ties: the group opened
-first), else open a new group. The result is deterministic (P8) and costs one sort plus
-a bisection and a list insertion per sample. Groups are returned short to long, as the
-B(l) walk returns them (reverse opening order: a group's first sample is its longest,
-and each group opens with a sample no longer than the previous group's), and each
-group's keys by ascending (length, key), so the alignment's split takes a group's
-longest sample off (a split piece of a group within the budget is within it, P3).
+The rule (chosen on measurements: ``benchmarks/bench_packing_rule.py``): walk the buffer's
+held samples first (those regroup held back at the last round, ``first``), then the rest,
+each part from the longest sample to the shortest (keys sorted by (length, key), walked
+backwards), and put each sample into the fullest open group it fits in (ties: the group
+opened first), else open a new group. Walking the held samples first gives them the first
+choice of partners: walked last, being short, they would fill the last part-full group
+again and be emitted part-full there (four such batches on the chat data at W=1: 0.74 pp).
+The result is deterministic (P8) and costs one sort plus a bisection and a list insertion
+per sample. The groups are laid out as the B(l) walk lays them out: each group's keys by
+ascending (length, key), the groups by their longest key, so the alignment's split takes a
+group's longest sample off (a split piece of a group within the budget is within it, P3).
 spec/ODB.tla: ``PackRule``.
 """
 
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from itertools import chain
 
 from odb_core.errors import InvalidSampleError
 from odb_core.grouping import check_length
@@ -38,17 +42,22 @@ def packed_tokens(group_lengths: Sequence[int]) -> int:
     return sum(map(size_of, group_lengths))
 
 
-def pack_sorted(order: Sequence[int], lengths: Sequence[int] | Mapping[int, int], token_budget: int) -> list[list[int]]:
-    """Best-fit decreasing over ``order`` (keys sorted by ascending (length, key)).
+def pack_sorted(order: Sequence[int], lengths: Sequence[int] | Mapping[int, int], token_budget: int,
+                first: AbstractSet[int] = frozenset()) -> list[list[int]]:
+    """Best-fit decreasing over ``order`` (keys sorted by ascending (length, key)), the keys in
+    ``first`` walked before the others (see the module).
 
     Returns the groups short to long, each group's keys short to long (see the module).
     ``open_`` holds (room left, opening number) of every group something may still fit
     in, sorted, so the fullest group a sample fits in is the first entry with room >= its
     size; groups with no room left (or opened by a sample over the budget) leave it.
     """
+    walk = reversed(order)
+    if first:
+        walk = chain((k for k in walk if k in first), (k for k in reversed(order) if k not in first))
     groups: list[list[int]] = []
     open_: list[tuple[int, int]] = []
-    for key in reversed(order):
+    for key in walk:
         size = size_of(lengths[key])
         at = bisect_left(open_, (size, -1))
         if at < len(open_):
@@ -61,16 +70,22 @@ def pack_sorted(order: Sequence[int], lengths: Sequence[int] | Mapping[int, int]
         groups.append([key])
         if token_budget - size > 0:
             insort(open_, (token_budget - size, len(groups) - 1))
-    for g in groups:
-        g.reverse()
-    groups.reverse()
-    return groups
+    if not first:  # opened longest first, each group's keys placed longest first: reversing lays them out
+        for g in groups:
+            g.reverse()
+        groups.reverse()
+        return groups
+    rank = {k: i for i, k in enumerate(order)}  # (length, key) order
+    laid = [sorted(g, key=rank.__getitem__) for g in groups]
+    laid.sort(key=lambda g: rank[g[-1]])
+    return laid
 
 
-def pack_buffer(lengths: Mapping[int, int], token_budget: int) -> list[list[int]]:
-    """Pack a buffer (key -> validated length) by best-fit decreasing: one round's grouping
+def pack_buffer(lengths: Mapping[int, int], token_budget: int, held: AbstractSet[int] = frozenset()) -> list[list[int]]:
+    """Pack a buffer (key -> validated length) by best-fit decreasing, its ``held`` keys (held
+    back to regroup at the last round, a subset of its keys) walked first: one round's grouping
     under the packed budget (keys ordered by (length, key), as :func:`~odb_core.grouping.group_buffer`)."""
-    return pack_sorted(sorted(sorted(lengths), key=lengths.__getitem__), lengths, token_budget)
+    return pack_sorted(sorted(sorted(lengths), key=lengths.__getitem__), lengths, token_budget, held)
 
 
 def pack_groups(lengths: Sequence[int], token_budget: int) -> list[list[int]]:

@@ -420,8 +420,8 @@ class RankProtocol:
     # ---- hooks (the seeded bugs of model_checks.mutants override these) -------------
     def _group(self) -> list[list[int]]:
         """The buffer's groups under the configured budget, short to long (P3): the B(l) walk
-        (padded) or best-fit decreasing (packed); :mod:`odb_core.budgets`."""
-        return self._rule(self._length, self.config.token_budget)
+        (padded) or best-fit decreasing, held samples walked first (packed); :mod:`odb_core.budgets`."""
+        return self._rule(self._length, self.config.token_budget, self._held)
 
     def _reports_finished(self, drained: bool) -> bool:
         """The header says FINISHED: R, Q and B are empty (P4 rests on this)."""

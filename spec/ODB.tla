@@ -99,11 +99,13 @@ BRule(r) == CHOOSE w \in {Reverse(Walk(r, order, Len(order), 1))
 
 (* The packed budget (odb_core.packing): a group costs the sum of its      *)
 (* sizes, a zero length sized 1. Best-fit decreasing over B sorted by      *)
-(* (length, position), walked from the longest: each sample goes into the  *)
-(* fullest group it fits in (ties: the group opened first), else it opens  *)
-(* a group. Groups are listed short to long (reverse opening order), each  *)
-(* group's positions short to long, as pack_buffer returns them. A sample  *)
-(* longer than Budget opens a group nothing else fits in: it travels alone.*)
+(* (length, position), the samples held back at the last round (H) walked *)
+(* first, then the others, each part from the longest: each sample goes    *)
+(* into the fullest group it fits in (ties: the group opened first), else  *)
+(* it opens a group. Groups are laid out short to long by their longest    *)
+(* sample, each group's positions short to long, as pack_buffer returns    *)
+(* them. A sample longer than Budget opens a group nothing else fits in:   *)
+(* it travels alone.                                                       *)
 (* FitOp is an operator so a .cfg can substitute a seeded bug.             *)
 Size(l) == IF l < 1 THEN 1 ELSE l
 Load(r, g) == SumSeq([k \in DOMAIN g |-> Size(Length[r][g[k]])])
@@ -123,10 +125,15 @@ PackWalk(r, order, bins, loads) ==
     ELSE CHOOSE w \in {CHOOSE v \in {PackWalk(r, Tail(order), Place(bins, i, Head(order)), AddLoad(loads, i, s))
                                     : i \in {BestFit(loads, s)}} : TRUE
                        : s \in {Size(Length[r][Head(order)])}} : TRUE
-PackRule(r) ==
-    CHOOSE w \in {Reverse([k \in DOMAIN bs |-> Reverse(bs[k])])
-                  : bs \in {PackWalk(r, order, <<>>, <<>>)
-                            : order \in {Reverse(SortSeq(B[r], LAMBDA a, b : ShorterFirst(r, a, b)))}}} : TRUE
+\* the walk's order: H[r]'s positions longest first, then the other buffered ones longest first
+PackOrder(r) ==
+    CHOOSE w \in {Reverse(SelectSeq(asc, LAMBDA p : p \in H[r])) \o Reverse(SelectSeq(asc, LAMBDA p : p \notin H[r]))
+                  : asc \in {SortSeq(B[r], LAMBDA a, b : ShorterFirst(r, a, b))}} : TRUE
+\* the layout: each group short to long, the groups by their longest position (short to long)
+Layout(r, bs) ==
+    SortSeq([k \in DOMAIN bs |-> SortSeq(bs[k], LAMBDA a, b : ShorterFirst(r, a, b))],
+            LAMBDA g, h : ShorterFirst(r, g[Len(g)], h[Len(h)]))
+PackRule(r) == Layout(r, PackWalk(r, PackOrder(r), <<>>, <<>>))
 
 \* The grouping of a ready rank's buffer under the budget.
 Packing(r) == IF BudgetKind = "packed" THEN PackRule(r) ELSE BRule(r)

@@ -22,6 +22,7 @@ from model_checks.report import SPEC_MUTANT, TRACE_BATCH
 from model_checks.suites import configs, run_config
 from model_checks.tla import sany
 from odb_core.budgets import BUFFER_RULES
+from odb_core.packing import pack_buffer
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -68,7 +69,7 @@ def test_state_space_comparison_detects_a_mutated_core():
     assert not result.states_equal
 
 
-def _first_fit(lengths, budget):
+def _first_fit(lengths, budget, held):
     """First-fit decreasing in the core's layout: the packing rule the spec must tell apart."""
     groups, loads = [], []
     for k in reversed(sorted(sorted(lengths), key=lengths.__getitem__)):
@@ -89,6 +90,24 @@ def test_state_space_comparison_tells_best_fit_from_first_fit(monkeypatch):
     monkeypatch.setitem(BUFFER_RULES, "packed", _first_fit)
     result = conformance.compare_state_spaces(scenario)
     assert not result.states_equal and not result.states_included
+
+
+def _packed_ignoring_held(lengths, budget, held):
+    """Best fit that walks held samples with the others (the rule before held-first)."""
+    return pack_buffer(lengths, budget)
+
+
+def test_state_space_comparison_tells_held_first_from_held_last(monkeypatch):
+    """A core packing its held samples in length order with the rest, instead of first,
+    leaves the spec's state space: it misses spec states, and takes a transition the spec
+    does not (its own states differ from the right core's, so the scenario exercises the rule)."""
+    (scenario,) = [s for s in conformance.STATE_SPACE_SCENARIOS if s.name == "join_1_held_first"]
+    right, _ = conformance.enumerate_core(scenario)
+    monkeypatch.setitem(BUFFER_RULES, "packed", _packed_ignoring_held)
+    result = conformance.compare_state_spaces(scenario)
+    assert not result.states_equal and not result.transitions_included
+    wrong, _ = conformance.enumerate_core(scenario)
+    assert right != wrong
 
 
 def test_simulator_traces_replay_as_spec_behaviours():

@@ -15,12 +15,15 @@ from odb_core.errors import ConfigMismatchError
 from odb_core.packing import pack_buffer, pack_groups
 
 
-def reference_best_fit(lengths: list[int], budget: int) -> list[list[int]]:
-    """The rule's prose, literally: longest first (ties: the larger index first), each sample
-    into the fullest group it fits in (ties: the group opened first), else a new group;
-    groups listed in reverse opening order, each short to long."""
+def reference_best_fit(lengths: list[int], budget: int, held: frozenset[int] = frozenset()) -> list[list[int]]:
+    """The rule's prose, literally: the held indices longest first, then the others longest
+    first (ties: the larger index first), each sample into the fullest group it fits in (ties:
+    the group opened first), else a new group; each group short to long, the groups ordered
+    by their longest index (short to long)."""
     groups: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i), reverse=True):
+    key = lambda i: (lengths[i], i)  # noqa: E731
+    walk = sorted(held, key=key, reverse=True) + sorted(set(range(len(lengths))) - held, key=key, reverse=True)
+    for i in walk:
         size = max(lengths[i], 1)
         loads = [sum(max(lengths[k], 1) for k in g) for g in groups]
         fits = [j for j, load in enumerate(loads) if load + size <= budget]
@@ -29,7 +32,7 @@ def reference_best_fit(lengths: list[int], budget: int) -> list[list[int]]:
             groups[best].append(i)
         else:
             groups.append([i])
-    return [list(reversed(g)) for g in reversed(groups)]
+    return sorted((sorted(g, key=key) for g in groups), key=lambda g: key(g[-1]))
 
 
 lengths_st = st.lists(st.integers(0, 5000), max_size=300)
@@ -39,6 +42,44 @@ budget_st = st.integers(1, 4096)
 @given(lengths_st, budget_st)
 def test_matches_the_rules_prose(lengths, budget):
     assert pack_groups(lengths, budget) == reference_best_fit(lengths, budget)
+
+
+@st.composite
+def held_buffers(draw):
+    """A buffer (key -> length) and the keys regroup held back at the last round (any subset)."""
+    lengths = draw(st.lists(st.integers(0, 600), max_size=120))
+    held = draw(st.sets(st.sampled_from(range(len(lengths))))) if lengths else set()
+    return lengths, frozenset(held), draw(st.integers(1, 1200))
+
+
+@given(held_buffers())
+def test_held_samples_walked_first_matches_the_prose(case):
+    lengths, held, budget = case
+    assert pack_buffer(dict(enumerate(lengths)), budget, held) == reference_best_fit(lengths, budget, held)
+
+
+@given(held_buffers())
+def test_held_first_keeps_p3_the_partition_and_the_layout(case):
+    """Walking the held samples first changes which samples share a group, never P3, the
+    partition or the layout the alignment relies on (each group short to long, groups by
+    their longest sample)."""
+    lengths, held, budget = case
+    groups = pack_buffer(dict(enumerate(lengths)), budget, held)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        assert within_budget("packed", [lengths[i] for i in g], budget)
+        assert [(lengths[i], i) for i in g] == sorted((lengths[i], i) for i in g)
+    tops = [(lengths[g[-1]], g[-1]) for g in groups]
+    assert tops == sorted(tops)
+
+
+def test_held_samples_first_choose_their_partners():
+    """The round after regroup held {3, 4} (7 of 10 tokens), 5 arrives: walked first, the held
+    pair stays together and 5 opens a group; walked last (the old rule), 5 takes 4 and 3 is
+    left alone, part-full again (the second buffer of conformance's join_1_held_first)."""
+    lengths = {0: 3, 2: 4, 3: 5}
+    assert pack_buffer(lengths, 10, frozenset({0, 2})) == [[0, 2], [3]]
+    assert pack_buffer(lengths, 10) == [[0], [2, 3]]
 
 
 @given(lengths_st, budget_st)

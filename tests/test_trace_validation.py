@@ -236,7 +236,7 @@ def _singleton_run(monkeypatch) -> Trace:
     data = [1, 2, 2, 1, 1, 2, 3, 1]
     with monkeypatch.context() as m:
         m.setitem(BUFFER_RULES, "padded",
-                  lambda lengths, budget: [[p] for p in sorted(lengths, key=lambda p: (lengths[p], p))])
+                  lambda lengths, budget, held: [[p] for p in sorted(lengths, key=lambda p: (lengths[p], p))])
         logs = traces.simulator_logs(s, data, "in_order")
     merged = traces.merge(logs, "single")
     assert any(len(pack[r]) for pack in merged.packs for r in range(2)), "the run must group"
