@@ -302,7 +302,15 @@ class ODBDataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         """Yield the epoch's batches. One live iterator per loader: a newer ``iter(loader)``
-        (or :meth:`close`) makes an older one raise :class:`LoaderStateError` on ``next()``."""
+        (or :meth:`close`) makes an older one raise :class:`LoaderStateError` on ``next()``, and so
+        does iterating another epoch than the one :meth:`load_state_dict` loaded (it would discard it)."""
+        epoch = self.epoch
+        if self._resume is not None and self._resume[0] != epoch:
+            raise LoaderStateError(
+                f"rank {self.rank}: load_state_dict() loaded a position in epoch {self._resume[0]}, but the loader "
+                f"is iterating epoch {epoch}, which would discard it; call set_epoch({self._resume[0]}) "
+                "(loader.epoch right after load_state_dict) to resume, or build a new loader to start over",
+                rank=self.rank)
         if self._epoch_open:
             # the previous iteration was abandoned mid-epoch (break): the collate process
             # is still in that epoch and its queued batches are stale, so restart it
@@ -315,8 +323,7 @@ class ODBDataLoader:
         elif not self._proc.is_alive():
             raise CollateProcessError(f"rank {self.rank}: the collate process is gone "
                                       f"(exit code {self._proc.exitcode}); create a new loader", rank=self.rank)
-        epoch = self.epoch
-        if self._resume is not None and self._resume[0] == epoch:
+        if self._resume is not None:
             _, skip, first_step = self._resume
             start, self._stream_point = self._stream_start, self._stream_start
         else:
