@@ -171,7 +171,8 @@ def oracle(lengths: list[int]) -> dict[str, float]:
 
 
 def protocol(lengths: list[int]) -> dict[str, float]:
-    """budget_fill of the real protocol (balanced target) at W = 1 and 8, packed and padded."""
+    """budget_fill of the real protocol (each budget's default target: balanced padded, min
+    packed) at W = 1 and 8, packed and padded."""
     out = {}
     for world in (1, 8):
         for budget in BUDGETS:

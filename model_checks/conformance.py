@@ -317,6 +317,8 @@ STATE_SPACE_SCENARIOS = (  # in aligned order, so the core's state space equals 
     Scenario("nonjoin_2x3_all_ready_cap1", ((0, 4, 11), (2, 2, 9)), join=False, capacity=1, policy="all-ready",
              shuffle=False),
     Scenario("join_3_uneven_balanced", ((1, 4, 8), (2, 2, 3), (7,)), policy="balanced", shuffle=False),
+    # min G: the rank with more groups overflows instead of its peer splitting (1,318 states; balanced: 1,337)
+    Scenario("join_2x4_min", ((2, 3, 6, 9), (1, 1, 5, 12)), policy="min", shuffle=False),
     # buffers of 3 with padded pairs: groups are held back (H) and regrouped
     Scenario("join_2x4_regroup", ((1, 3, 2, 4), (2, 2, 5, 1)), buffer_size=3, shuffle=False),
     Scenario("nonjoin_2x4_regroup", ((1, 3, 2, 4), (2, 2, 5, 1)), buffer_size=3, join=False, shuffle=False),
@@ -324,6 +326,8 @@ STATE_SPACE_SCENARIOS = (  # in aligned order, so the core's state space equals 
     Scenario("join_2x4_packed", ((1, 8, 5, 7), (3, 3, 4, 11)), budget_kind="packed", shuffle=False),
     Scenario("nonjoin_2x4_packed", ((1, 8, 5, 7), (3, 3, 4, 11)), budget_kind="packed", join=False,
              policy="balanced", shuffle=False),
+    Scenario("nonjoin_2x4_packed_min", ((1, 8, 5, 7), (3, 3, 4, 11)), budget_kind="packed", join=False,
+             policy="min", shuffle=False),
     # one buffer where best fit and first fit differ (spec/MC.tla Len_1b)
     Scenario("join_1_best_fit", ((1, 9, 12, 10),), budget=20, buffer_size=4, depth=4, policy="balanced",
              regroup=(0, 0), budget_kind="packed", shuffle=False),

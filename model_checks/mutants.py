@@ -12,7 +12,6 @@ from __future__ import annotations
 from bisect import insort
 from collections.abc import Sequence
 
-from odb_core.alignment import paper_target
 from odb_core.epoch import EpochDriver
 from odb_core.packing import size_of
 from odb_core.protocol import RankProtocol, Step
@@ -20,11 +19,11 @@ from odb_core.wire import Header, Status
 
 
 class NoCminProtocol(RankProtocol):
-    """M1: Eq. 3 without C_min+ (breaks the output capacity bound)."""
+    """M1: the configured target policy without C_min+ (breaks the output capacity bound)."""
 
     def _target(self, headers: Sequence[Header]) -> int:
-        return paper_target([Header(h.iteration, h.round, h.status, h.groups, 0, h.samples, h.tokens)
-                             for h in headers])
+        return self._target_policy([Header(h.iteration, h.round, h.status, h.groups, 0, h.samples, h.tokens)
+                                    for h in headers])
 
 
 class MaxGroupsProtocol(RankProtocol):

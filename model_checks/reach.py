@@ -35,6 +35,7 @@ from model_checks.generated import (
     parallel,
     run_tlc,
 )
+from odb_core.config import TARGET_POLICIES
 
 #: the monitor's counters (spec/Reach.tla CovKeys), summed over behaviours
 COVERAGE = ("gathers", "emits", "skips", "chains", "splits", "overflows", "holds", "takebacks", "idle", "capped",
@@ -83,7 +84,7 @@ def random_model(seed: int, world: int, join: bool, policy: str, regroup: bool, 
 CI_MODELS = (
     random_model(11, 8, True, "balanced", True, capacity=0),
     random_model(12, 8, False, "paper", False, capacity=2),
-    random_model(13, 5, True, "all-ready", False, capacity=1, budget_kind="packed"),
+    random_model(13, 5, True, "min", False, capacity=1, budget_kind="packed"),
     random_model(14, 4, False, "balanced", True, capacity=4, budget_kind="packed"),
     random_model(15, 3, False, "all-ready", True, capacity=3),
     random_model(16, 6, True, "paper", True, capacity=0),
@@ -96,7 +97,7 @@ def deep_models() -> tuple[Model, ...]:
     out = []
     seed = 100
     for world in (2, 4, 8):
-        for policy in ("paper", "all-ready", "balanced"):
+        for policy in TARGET_POLICIES:
             for join in (True, False):
                 for regroup in (True, False):
                     seed += 1

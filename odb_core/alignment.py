@@ -66,8 +66,24 @@ def balanced_target(headers: Sequence[Header]) -> int:
     return _bounded(active, -(-sum(h.groups for h in active) // len(active))) if active else 0
 
 
+def min_target(headers: Sequence[Header]) -> int:
+    """All-ready, with the min instead of the max: T = max(min(min_A G_r, C_min+, S_min+), 1)
+    when no rank is WAITING, else 0.
+
+    T never exceeds a ready rank's group count, so no rank splits a group to reach it:
+    every rank above T overflows its surplus groups back into its buffer, where they
+    regroup with the next arrivals. Alignment then costs no extra groups mid-epoch, only
+    the join-mode tail of idle steps. Every round with an active rank still emits
+    T >= 1 groups per rank, so buffers drain (P6).
+    """
+    if any(h.status is Status.WAITING for h in headers):
+        return 0
+    active = [h for h in headers if h.status is Status.READY]
+    return _bounded(active, min(h.groups for h in active)) if active else 0
+
+
 TARGET_FUNCTIONS: dict[str, TargetPolicy] = {
-    "paper": paper_target, "all-ready": all_ready_target, "balanced": balanced_target}
+    "paper": paper_target, "all-ready": all_ready_target, "balanced": balanced_target, "min": min_target}
 """The target function of each name in :data:`odb_core.config.TARGET_POLICIES`."""
 
 

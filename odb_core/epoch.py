@@ -50,9 +50,10 @@ from odb_core.wire import GatheredBytes, HeaderGather, Status, StepGather
 HELLO_MAGIC = 0x0DB1
 """First value of the handshake vector (a peer running another wire format is caught)."""
 
-PROTOCOL_FIELDS = ("token_budget", "buffer_size", "depth", "mode", "loss_scaling", "seed", "target_policy",
-                   "overflow_policy", "output_capacity", "regroup_padding", "shuffle_steps", "budget")
-"""The :class:`ODBConfig` fields every rank must share (the handshake compares them)."""
+PROTOCOL_FIELDS = ("token_budget", "budget", "buffer_size", "depth", "mode", "loss_scaling", "seed", "target_policy",
+                   "overflow_policy", "output_capacity", "regroup_padding", "shuffle_steps")
+"""The :class:`ODBConfig` fields every rank must share (the handshake compares them, and names
+the first that differs: ``budget`` before ``target_policy``, whose default follows it)."""
 
 
 @dataclass(frozen=True, slots=True)

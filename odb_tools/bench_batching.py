@@ -222,7 +222,7 @@ def run(samples: int = 100_000, budgets: Sequence[int] = (8192, 16384), worlds: 
     from odb_tools.bench_packed import packed_rows
 
     rows: list[dict[str, Any]] = []
-    per_budget = (2 + len(worlds)) * ("padded" in budget_kinds) + (1 + len(worlds)) * ("packed" in budget_kinds)
+    per_budget = (2 + len(worlds)) * ("padded" in budget_kinds) + (1 + 2 * len(worlds)) * ("packed" in budget_kinds)
     with bar(len(distributions) * len(budgets) * per_budget, "bench batching", "stages", progress) as b:
         for name in distributions:
             b.set_description_str(name)

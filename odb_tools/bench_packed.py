@@ -4,6 +4,7 @@ For one distribution and token budget L_max:
 
 * ``odb packed``: the real protocol (:func:`odb_core.simulate`, ``budget="packed"``,
   in-order delivery, the given buffer, regroup at its default) at each world size W;
+  ``odb packed (target min)``: the same with ``target_policy="min"``;
 * ``ffd oracle (offline)``: first-fit decreasing over every length at once (the oracle
   that sees the whole length cache in advance), a sample longer than L_max alone;
 * ``trl pack_dataset bfd (offline)``: TRL's ``pack_dataset(strategy="bfd")`` over a
@@ -31,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from odb_core import ODBConfig, audit, simulate
+from odb_core.config import TargetPolicyName
 from odb_core.packing import size_of
 
 ORACLE = "ffd oracle (offline)"
@@ -111,10 +113,14 @@ def trl_bfd(lengths: Sequence[int], budget: int, batch_size: int | None = 1000) 
             "dropped_samples": sum(1 for x in lengths if x == 0)}
 
 
+#: the ODB rows: (batcher label, target policy)
+ODB_PACKED: tuple[tuple[str, TargetPolicyName], ...] = (("odb packed", "balanced"), ("odb packed (target min)", "min"))
+
+
 def packed_rows(name: str, lengths: list[int], budget: int, worlds: Sequence[int], buffer_size: int,
                 seed: int = 0, tick: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
     """The packed rows for one distribution and budget (see the module); ``tick(stage)``
-    after each of its ``1 + len(worlds)`` stages."""
+    after each of its ``1 + 2 * len(worlds)`` stages."""
     rows: list[dict[str, Any]] = []
 
     def row(batcher: str, world: int, eff: float, batches: int, updates: int, overhead: float | None,
@@ -135,13 +141,15 @@ def packed_rows(name: str, lengths: list[int], budget: int, worlds: Sequence[int
             row(label, world, efficiency(batches, budget), len(batches), -(-len(batches) // world), None,
                 sum(map(len, batches)), **extra)
     tick("offline packing")
-    for world in worlds:
-        config = ODBConfig(token_budget=budget, budget="packed", buffer_size=buffer_size, seed=seed)
-        a = audit(simulate(lengths, world, config, "in_order"))
-        row("odb packed", world, a.budget_fill, sum(a.steps_per_rank) - sum(a.idle_steps_per_rank),
-            a.steps_per_rank[0], a.alignment_overhead, a.unique_identities,
-            over_budget_singletons=a.over_budget_singletons, coverage_exact=a.coverage_exact)
-        tick(f"packed W={world}")
+    for label, policy in ODB_PACKED:
+        for world in worlds:
+            config = ODBConfig(token_budget=budget, budget="packed", buffer_size=buffer_size, seed=seed,
+                               target_policy=policy)
+            a = audit(simulate(lengths, world, config, "in_order"))
+            row(label, world, a.budget_fill, sum(a.steps_per_rank) - sum(a.idle_steps_per_rank),
+                a.steps_per_rank[0], a.alignment_overhead, a.unique_identities,
+                over_budget_singletons=a.over_budget_singletons, coverage_exact=a.coverage_exact)
+            tick(f"{label} W={world}")
     for r in rows:
         r["oracle_gap_pp"] = 100 * (oracle_eff - r["packing_efficiency"])
     return rows

@@ -40,7 +40,8 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--depth", type=int, default=None, help="outstanding depth D (default: buffer size)")
     p.add_argument("--mode", choices=MODES, default="join")
     p.add_argument("--schedule", choices=SCHEDULES, default="in_order", help="delivery schedule / sharding")
-    p.add_argument("--target-policy", choices=TARGET_POLICIES, default="balanced")
+    p.add_argument("--target-policy", choices=TARGET_POLICIES, default=None,
+                   help="default: balanced under the padded budget, min under the packed one")
     p.add_argument("--overflow-policy", choices=OVERFLOW_POLICIES, default="largest")
     p.add_argument("--capacity", type=int, default=None, help="output slots per rank per round (default unbounded)")
     p.add_argument("--loss-scaling", choices=get_args(LossScaling), default="exact")
@@ -80,7 +81,7 @@ def _simulate(args: argparse.Namespace) -> int:
             mode=args.mode,
             loss_scaling=args.loss_scaling,
             seed=args.seed,
-            target_policy=args.target_policy,
+            **({} if args.target_policy is None else {"target_policy": args.target_policy}),
             overflow_policy=args.overflow_policy,
             output_capacity=args.capacity,
             regroup_padding=None if args.regroup_padding < 0 else args.regroup_padding,
@@ -123,7 +124,7 @@ def read_lengths(path: str | Path) -> list[int]:
 def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("check", help="model-check the spec with TLC, hunt mutants, check core/spec conformance")
     p.add_argument("--deep", action="store_true",
-                   help="also run the deep suite (larger constants) and the long reach slice (36 simulated "
+                   help="also run the deep suite (larger constants) and the long reach slice (48 simulated "
                         "models, every quick configuration with the progress invariants, larger inductive domains)")
     p.add_argument("--select", default="*",
                    help="only configurations whose name matches this glob (reach_* are the simulation, "

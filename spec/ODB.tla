@@ -24,14 +24,14 @@ CONSTANTS W,          \* number of ranks
           JoinMode,   \* TRUE: join; FALSE: non-join with quota chaining
           Quota,      \* non-join sample quota N
           Overflow,   \* "largest" (paper) or "oldest"
-          Policy,     \* target policy: "paper" (Eq. 3), "all-ready" or "balanced"
+          Policy,     \* target policy: "paper" (Eq. 3), "all-ready", "balanced" or "min"
           RegroupNum, \* regroup: hold back groups with padding > RegroupNum / RegroupDen
           RegroupDen  \* (0 = off; odb_core's regroup_padding)
 
 ASSUME W \in Nat \ {0} /\ Len(NV) = W /\ Budget \in Nat \ {0} /\ BudgetKind \in {"padded", "packed"}
 ASSUME BufSize \in Nat \ {0} /\ Depth \in Nat /\ Capacity \in Nat /\ Quota \in Nat
 ASSUME RegroupNum \in Nat /\ RegroupDen \in Nat
-ASSUME JoinMode \in BOOLEAN /\ Overflow \in {"largest", "oldest"} /\ Policy \in {"paper", "all-ready", "balanced"}
+ASSUME JoinMode \in BOOLEAN /\ Overflow \in {"largest", "oldest"} /\ Policy \in {"paper", "all-ready", "balanced", "min"}
 
 VARIABLES next,     \* R = next[r]..NV[r]
           Q,        \* in flight: set of positions
@@ -203,9 +203,18 @@ BalancedTarget(st, G, S) ==
                       \cup (IF Capacity > 0 THEN {Capacity} ELSE {})
                       \cup {S[r] : r \in Active(st)})
          IN IF m < 1 THEN 1 ELSE m
+\* "min": all-ready, aiming at min G over active ranks: T <= every active rank's G, so no
+\* rank splits to reach it; ranks above it overflow their surplus groups
+MinTarget(st, G, S) ==
+    IF (\E r \in Ranks : st[r] = "waiting") \/ Active(st) = {} THEN 0
+    ELSE LET m == Min({Min({G[r] : r \in Active(st)})}
+                      \cup (IF Capacity > 0 THEN {Capacity} ELSE {})
+                      \cup {S[r] : r \in Active(st)})
+         IN IF m < 1 THEN 1 ELSE m
 Target(st, G, S) ==
     CASE Policy = "all-ready" -> AllReadyTarget(st, G, S)
       [] Policy = "balanced" -> BalancedTarget(st, G, S)
+      [] Policy = "min" -> MinTarget(st, G, S)
       [] OTHER -> PaperTarget(st, G, S)
 
 (* Alignment: split (Alg. 1, upward) and overflow (downward).              *)

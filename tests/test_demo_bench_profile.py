@@ -67,15 +67,17 @@ def test_bench_batching_json_rows():
     odb8 = next(r for r in rows if r["batcher"] == "odb" and r["world"] == 8)
     assert 0 <= odb8["alignment_overhead"] < 0.2 and odb8["padding_fraction"] < 0.05
     packed = {(r["batcher"], r["world"]): r for r in packed_rows}
-    assert {b for b, _ in packed} == {"odb packed", "ffd oracle (offline)", "trl pack_dataset bfd (offline, map batches "
-                                      "of 1000)", "trl pack_dataset bfd (offline, one batch)"}
+    assert {b for b, _ in packed} == {"odb packed", "odb packed (target min)", "ffd oracle (offline)",
+                                      "trl pack_dataset bfd (offline, map batches of 1000)",
+                                      "trl pack_dataset bfd (offline, one batch)"}
     oracle = packed["ffd oracle (offline)", 2]
     for (batcher, world), r in packed.items():
         assert r["samples"] == 3000, f"{batcher} W={world} lost samples"
         assert 0.9 < r["packing_efficiency"] <= oracle["packing_efficiency"] + 1e-3
         assert r["updates"] * world >= r["batches"], (batcher, world)
-    for world in (2, 8):
-        odb = packed["odb packed", world]
+    for world, label in ((2, "odb packed"), (8, "odb packed"), (2, "odb packed (target min)"),
+                         (8, "odb packed (target min)")):
+        odb = packed[label, world]
         assert odb["coverage_exact"] and 0 <= odb["alignment_overhead"] < 0.2
         assert odb["over_budget_singletons"] == packed["trl pack_dataset bfd (offline, one batch)", world][
             "truncated_samples"] > 0, "sharegpt4o has samples over 8192: ODB sends them alone, TRL truncates them"

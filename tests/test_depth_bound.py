@@ -13,6 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from odb_core import ODBConfig
+from odb_core.config import TARGET_POLICIES
 from odb_core.protocol import RankProtocol
 from odb_core.schedules import SCHEDULES
 from odb_core.simulator import simulate
@@ -35,7 +36,7 @@ def depth_cases(draw: st.DrawFn) -> tuple[list[int], int, ODBConfig, str]:
         buffer_size=buffer_size,
         depth=depth,
         mode=draw(st.sampled_from(["join", "non-join"])),
-        target_policy=draw(st.sampled_from(["paper", "all-ready", "balanced"])),
+        target_policy=draw(st.sampled_from(TARGET_POLICIES)),
         overflow_policy=draw(st.sampled_from(["largest", "oldest"])),
         output_capacity=draw(st.one_of(st.integers(1, 4), st.none())),
         regroup_padding=draw(st.sampled_from([None, 0.0, 0.02, 0.2])),

@@ -47,3 +47,14 @@ def test_a_keyword_that_contradicts_config_is_refused_even_when_it_is_the_defaul
 def test_keywords_left_out_take_the_configs_defaults():
     loader = ODBDataLoader(ToyDataset(10), token_budget=64, rank=0, world_size=1)
     assert loader.config == ODBConfig(token_budget=64)
+
+
+@pytest.mark.parametrize(("budget", "policy"), [("padded", "balanced"), ("packed", "min")])
+def test_target_policy_left_out_follows_the_budget_and_a_given_one_is_kept(budget, policy):
+    """The default target: min under the packed budget (no split adds a part-full row), balanced
+    under the padded one; a policy given explicitly is never replaced."""
+    loader = ODBDataLoader(ToyDataset(10), token_budget=64, budget=budget, rank=0, world_size=1)
+    assert loader.config.target_policy == policy == ODBConfig(token_budget=64, budget=budget).target_policy
+    for given in ("paper", "all-ready", "balanced", "min"):
+        assert ODBConfig(token_budget=64, budget=budget, target_policy=given).target_policy == given
+    assert ODBConfig(**loader.config.model_dump()) == loader.config  # a dumped config round-trips

@@ -21,6 +21,7 @@ from model_checks.mutants import MUTANTS
 from model_checks.report import SPEC_MUTANT, TRACE_BATCH
 from model_checks.suites import configs, run_config
 from model_checks.tla import sany
+from odb_core.alignment import TARGET_FUNCTIONS, balanced_target
 from odb_core.budgets import BUFFER_RULES
 from odb_core.packing import pack_buffer
 
@@ -108,6 +109,15 @@ def test_state_space_comparison_tells_held_first_from_held_last(monkeypatch):
     assert not result.states_equal and not result.transitions_included
     wrong, _ = conformance.enumerate_core(scenario)
     assert right != wrong
+
+
+def test_state_space_comparison_tells_min_from_balanced(monkeypatch):
+    """A core whose "min" target aims at the mean (balanced) instead leaves the spec's state
+    space on the min scenario (the spec's MinTarget is what the core's min_target computes)."""
+    (scenario,) = [s for s in conformance.STATE_SPACE_SCENARIOS if s.name == "join_2x4_min"]
+    monkeypatch.setitem(TARGET_FUNCTIONS, "min", balanced_target)
+    result = conformance.compare_state_spaces(scenario)
+    assert not result.states_equal and not result.transitions_included
 
 
 def test_simulator_traces_replay_as_spec_behaviours():

@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from odb_core import Header, ODBConfig, PeerInconsistencyError, Phase, RankProtocol, Status, WireFormatError
 from odb_core.alignment import TARGET_FUNCTIONS
 from odb_core.budgets import within_budget
+from odb_core.config import TARGET_POLICIES
 from odb_core.wire import decode_header
 
 
@@ -25,7 +26,7 @@ class OneRankVsPeers(RuleBasedStateMachine):
         buffer_size=st.integers(1, 8),
         extra_depth=st.integers(0, 4),
         mode=st.sampled_from(["join", "non-join"]),
-        policy=st.sampled_from(["paper", "all-ready", "balanced"]),
+        policy=st.sampled_from(TARGET_POLICIES),
         overflow=st.sampled_from(["largest", "oldest"]),
         capacity=st.one_of(st.none(), st.integers(1, 4)),
         scaling=st.sampled_from(["none", "sample", "approx", "exact"]),

@@ -24,6 +24,7 @@ import odb_core.wire as wire
 from model_checks.mutants import ADAPTER_MUTANTS, MUTANTS, driver
 from model_checks.strategies import lengths_from_seed
 from odb_core import ODBConfig, simulate
+from odb_core.config import TARGET_POLICIES
 from odb_core.epoch import Delivery, EpochDriver
 from odb_core.loss import round_denominators, weight_denominator
 from odb_core.schedules import SCHEDULES
@@ -68,7 +69,7 @@ def small_cases(draw: st.DrawFn) -> dict[str, Any]:
         mode=draw(st.sampled_from(["join", "non-join"])),
         loss_scaling=draw(st.sampled_from(["none", "sample", "approx", "exact"])),
         seed=draw(st.integers(0, 2**16)),
-        target_policy=draw(st.sampled_from(["paper", "all-ready", "balanced"])),
+        target_policy=draw(st.sampled_from(TARGET_POLICIES)),
         overflow_policy=draw(st.sampled_from(["largest", "oldest"])),
         output_capacity=draw(st.one_of(st.none(), st.integers(1, 6))),
         regroup_padding=draw(st.sampled_from([None, 0.0, 0.02, 0.1])),
