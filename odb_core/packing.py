@@ -52,9 +52,8 @@ def pack_sorted(order: Sequence[int], lengths: Sequence[int] | Mapping[int, int]
     in, sorted, so the fullest group a sample fits in is the first entry with room >= its
     size; groups with no room left (or opened by a sample over the budget) leave it.
     """
-    walk = reversed(order)
-    if first:
-        walk = chain((k for k in walk if k in first), (k for k in reversed(order) if k not in first))
+    walk = chain((k for k in reversed(order) if k in first),
+                 (k for k in reversed(order) if k not in first)) if first else reversed(order)
     groups: list[list[int]] = []
     open_: list[tuple[int, int]] = []
     for key in walk:

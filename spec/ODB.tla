@@ -184,33 +184,26 @@ StillHeld(gs, h, T) ==
 
 (* Target policies over the gathered statuses, group and sample counts.    *)
 Active(st) == {r \in Ranks : st[r] = "ready"}
+\* the bounds of Eq. 3 on an aim: max(min(aim, C_min+, S_min+), 1) over the active ranks
+Bounded(st, S, aim) ==
+    LET m == Min({aim} \cup (IF Capacity > 0 THEN {Capacity} ELSE {}) \cup {S[r] : r \in Active(st)})
+    IN IF m < 1 THEN 1 ELSE m
+Waiting(st) == \E r \in Ranks : st[r] = "waiting"
 PaperTarget(st, G, S) ==
-    IF Active(st) = {} THEN 0
-    ELSE LET m == Min({Max({G[r] : r \in Active(st)})}
-                      \cup (IF Capacity > 0 THEN {Capacity} ELSE {})
-                      \cup {S[r] : r \in Active(st)})
-         IN IF m < 1 THEN 1 ELSE m
+    IF Active(st) = {} THEN 0 ELSE Bounded(st, S, Max({G[r] : r \in Active(st)}))
 AllReadyTarget(st, G, S) ==
-    IF \E r \in Ranks : st[r] = "waiting" THEN 0 ELSE PaperTarget(st, G, S)
+    IF Waiting(st) THEN 0 ELSE PaperTarget(st, G, S)
 RECURSIVE SumOver(_, _)
 SumOver(f, S) == IF S = {} THEN 0 ELSE LET x == CHOOSE y \in S : TRUE IN f[x] + SumOver(f, S \ {x})
 \* "balanced": all-ready, aiming at ceil(mean G) over active ranks instead of max G;
 \* ranks above the target overflow their surplus groups (the same Overflow as capacity)
 BalancedTarget(st, G, S) ==
-    IF (\E r \in Ranks : st[r] = "waiting") \/ Active(st) = {} THEN 0
-    ELSE LET n == Cardinality(Active(st))
-             m == Min({(SumOver(G, Active(st)) + n - 1) \div n}
-                      \cup (IF Capacity > 0 THEN {Capacity} ELSE {})
-                      \cup {S[r] : r \in Active(st)})
-         IN IF m < 1 THEN 1 ELSE m
+    IF Waiting(st) \/ Active(st) = {} THEN 0
+    ELSE LET n == Cardinality(Active(st)) IN Bounded(st, S, (SumOver(G, Active(st)) + n - 1) \div n)
 \* "min": all-ready, aiming at min G over active ranks: T <= every active rank's G, so no
 \* rank splits to reach it; ranks above it overflow their surplus groups
 MinTarget(st, G, S) ==
-    IF (\E r \in Ranks : st[r] = "waiting") \/ Active(st) = {} THEN 0
-    ELSE LET m == Min({Min({G[r] : r \in Active(st)})}
-                      \cup (IF Capacity > 0 THEN {Capacity} ELSE {})
-                      \cup {S[r] : r \in Active(st)})
-         IN IF m < 1 THEN 1 ELSE m
+    IF Waiting(st) \/ Active(st) = {} THEN 0 ELSE Bounded(st, S, Min({G[r] : r \in Active(st)}))
 Target(st, G, S) ==
     CASE Policy = "all-ready" -> AllReadyTarget(st, G, S)
       [] Policy = "balanced" -> BalancedTarget(st, G, S)
