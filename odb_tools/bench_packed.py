@@ -7,6 +7,12 @@ For one distribution and token budget L_max:
   ``odb packed (target min)``: the same with ``target_policy="min"``;
 * ``ffd oracle (offline)``: first-fit decreasing over every length at once (the oracle
   that sees the whole length cache in advance), a sample longer than L_max alone;
+* ``ffd per rank (offline, each rank's shard)``: first-fit decreasing over each rank's
+  shard on its own (the simulator's sharding of the same epoch), every length of the
+  shard in advance: the best a batcher that packs only its own rank's samples does
+  with a length cache (every rank's last batch part-full; the efficiency is over all
+  ranks' batches, ``updates`` the largest rank's count, ``alignment_overhead`` the
+  ranks' batch counts' max / mean - 1: the steps a lockstep run of it idles);
 * ``trl pack_dataset bfd (offline)``: TRL's ``pack_dataset(strategy="bfd")`` over a
   ``datasets.Dataset`` with one sequence per sample, as TRL users call it (``map`` in
   its default batches of 1,000 samples, each batch packed on its own) and over the
@@ -34,8 +40,11 @@ from typing import Any
 from odb_core import ODBConfig, audit, simulate
 from odb_core.config import TargetPolicyName
 from odb_core.packing import size_of
+from odb_core.sampler import permutation
+from odb_core.schedules import shard
 
 ORACLE = "ffd oracle (offline)"
+RANK_ORACLE = "ffd per rank (offline, each rank's shard)"
 TRL = "trl pack_dataset bfd (offline, map batches of 1000)"
 TRL_WHOLE = "trl pack_dataset bfd (offline, one batch)"
 
@@ -72,6 +81,14 @@ def first_fit_in_order(lengths: Mapping[int, int] | Sequence[int], order: Sequen
             room[i] = max(room[2 * i], room[2 * i + 1])
             i //= 2
     return batches
+
+
+def ffd_per_rank(lengths: Sequence[int], budget: int, world: int, seed: int) -> list[list[list[int]]]:
+    """Each rank's batches (as lengths) from first-fit decreasing over its own shard alone, the
+    shards the simulator deals for ``seed``'s epoch 0 (DistributedSampler sharding)."""
+    shards = shard(permutation(len(lengths), seed, 0, True), world, "in_order", seed)
+    own = [[lengths[v] for v in views] for views in shards]
+    return [[[ls[k] for k in b] for b in first_fit_decreasing(ls, budget)] for ls in own]
 
 
 def efficiency(batch_lengths: Sequence[Sequence[int]], budget: int) -> float:
@@ -140,6 +157,11 @@ def packed_rows(name: str, lengths: list[int], budget: int, worlds: Sequence[int
         for world in worlds:
             row(label, world, efficiency(batches, budget), len(batches), -(-len(batches) // world), None,
                 sum(map(len, batches)), **extra)
+    for world in worlds:
+        per_rank = ffd_per_rank(lengths, budget, world, seed)
+        counts = [len(bs) for bs in per_rank]
+        row(RANK_ORACLE, world, efficiency([b for bs in per_rank for b in bs], budget), sum(counts), max(counts),
+            max(counts) * world / sum(counts) - 1 if sum(counts) else 0.0, sum(len(b) for bs in per_rank for b in bs))
     tick("offline packing")
     for label, policy in ODB_PACKED:
         for world in worlds:

@@ -68,6 +68,7 @@ def test_bench_batching_json_rows():
     assert 0 <= odb8["alignment_overhead"] < 0.2 and odb8["padding_fraction"] < 0.05
     packed = {(r["batcher"], r["world"]): r for r in packed_rows}
     assert {b for b, _ in packed} == {"odb packed", "odb packed (target min)", "ffd oracle (offline)",
+                                      "ffd per rank (offline, each rank's shard)",
                                       "trl pack_dataset bfd (offline, map batches of 1000)",
                                       "trl pack_dataset bfd (offline, one batch)"}
     oracle = packed["ffd oracle (offline)", 2]
@@ -75,6 +76,11 @@ def test_bench_batching_json_rows():
         assert r["samples"] == 3000, f"{batcher} W={world} lost samples"
         assert 0.9 < r["packing_efficiency"] <= oracle["packing_efficiency"] + 1e-3
         assert r["updates"] * world >= r["batches"], (batcher, world)
+    for world in (2, 8):
+        per_rank = packed["ffd per rank (offline, each rank's shard)", world]
+        assert per_rank["updates"] * world >= per_rank["batches"] >= oracle["batches"] - 1, \
+            "each rank packs its own shard: its largest count times W covers every batch"
+        assert per_rank["alignment_overhead"] == pytest.approx(per_rank["updates"] * world / per_rank["batches"] - 1)
     for world, label in ((2, "odb packed"), (8, "odb packed"), (2, "odb packed (target min)"),
                          (8, "odb packed (target min)")):
         odb = packed[label, world]

@@ -9,7 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from odb_tools.bench_packed import efficiency, first_fit_decreasing
+from odb_core.sampler import permutation
+from odb_core.schedules import shard
+from odb_tools.bench_packed import efficiency, ffd_per_rank, first_fit_decreasing
 from odb_tools.demo import model as demo_model
 from odb_tools.demo import packed_accumulation_steps, window_groups
 from odb_tools.demo.model import ModelConfig, TinyCausalLM
@@ -114,6 +116,18 @@ def test_first_fit_decreasing_covers_every_sample_once_within_the_budget(lengths
         loads = sorted(sum(max(lengths[k], 1) for k in b) for b in batches if lengths[b[0]] <= budget)
         assert len(loads) < 2 or loads[0] + loads[1] > budget
     assert 0 <= efficiency([[lengths[k] for k in b] for b in batches], budget) <= 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 120), max_size=60), st.integers(1, 100), st.integers(1, 5), st.integers(0, 3))
+def test_ffd_per_rank_packs_each_rank_shard_and_nothing_else(lengths, budget, world, seed):
+    per_rank = ffd_per_rank(lengths, budget, world, seed)
+    shards = shard(permutation(len(lengths), seed, 0, True), world, "in_order", seed)
+    assert len(per_rank) == world
+    for batches, views in zip(per_rank, shards, strict=True):
+        assert sorted(x for b in batches for x in b) == sorted(lengths[v] for v in views), \
+            "a rank's batches hold exactly its own shard's samples"
+        assert all(len(b) == 1 or sum(max(x, 1) for x in b) <= budget for b in batches)
 
 
 @settings(max_examples=60, deadline=None)
