@@ -24,6 +24,10 @@ from odb_core.errors import ResumeStateError
 
 AGREED_FIELDS = ("epoch", "steps", "seed", "total", "order_world")
 """The fields every rank's state must share for a merge."""
+ORDER_FIELDS = ("shuffle", "sampler_seed")
+"""What, besides the epoch and the dataset size, fixes the global order (a ``DistributedSampler``'s
+shuffle flag and seed): recorded by loaders that know the order; when one state has a field every
+state must have it, with the same value, and a resume checks it against its sampler."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +44,8 @@ class GlobalState:
     """The world size whose padded ``DistributedSampler`` order is the global order."""
     consumed: tuple[int, ...]
     """Global positions already yielded, sorted."""
+    order: tuple[tuple[str, int], ...] = ()
+    """The :data:`ORDER_FIELDS` the states recorded, as (name, value) pairs (empty: not recorded)."""
 
     def remaining(self) -> list[int]:
         """The global positions not yet yielded, in global order."""
@@ -49,7 +55,8 @@ class GlobalState:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able form, accepted by :func:`global_state_from` and ``ODBDataLoader.load_state_dict``."""
         return {"kind": "odb-global", "epoch": self.epoch, "steps": self.steps, "seed": self.seed,
-                "total": self.total, "order_world": self.order_world, "consumed": list(self.consumed)}
+                "total": self.total, "order_world": self.order_world, "consumed": list(self.consumed),
+                **dict(self.order)}
 
 
 def rank_positions(state: Mapping[str, Any]) -> list[int]:
@@ -80,6 +87,24 @@ def _agreed(states: Sequence[Mapping[str, Any]]) -> dict[str, int]:
                                    "are not one step boundary of one run", field=key, ranks=differ)
         values[key] = common
     return values
+
+
+def _agreed_order(states: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, int], ...]:
+    """The :data:`ORDER_FIELDS` the states record; :class:`ResumeStateError` naming the field if only
+    some states record it or they differ (the ranks' global orders would differ)."""
+    out: list[tuple[str, int]] = []
+    for key in ORDER_FIELDS:
+        have = [s for s in states if key in s]
+        if not have:
+            continue
+        seen = [int(s[key]) if key in s else None for s in states]
+        common = Counter(seen).most_common(1)[0][0]
+        differ = [int(s["rank"]) for s, v in zip(states, seen) if v != common]
+        if differ:
+            raise ResumeStateError(f"ranks {differ} have another {key} (or none) than the others: their samplers' "
+                                   "global orders differ", field=key, ranks=differ)
+        out.append((key, int(have[0][key])))
+    return tuple(out)
 
 
 def _check_ranks(states: Sequence[Mapping[str, Any]]) -> int:
@@ -151,7 +176,7 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> GlobalState:
     _check_pool(states, len(owner))
     done = set(consumed) | (set(range(agreed["total"])) - set(owner))  # an elastic epoch's earlier share
     return GlobalState(agreed["epoch"], agreed["steps"], agreed["seed"], agreed["total"], agreed["order_world"],
-                       tuple(sorted(done)))
+                       tuple(sorted(done)), _agreed_order(states))
 
 
 def global_state_from(state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> GlobalState:
@@ -165,7 +190,8 @@ def global_state_from(state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) ->
             raise ResumeStateError("the global state's consumed positions repeat or fall outside its order",
                                    field="consumed", indices=consumed)
         return GlobalState(int(state["epoch"]), int(state["steps"]), int(state["seed"]), int(state["total"]),
-                           int(state["order_world"]), consumed)
+                           int(state["order_world"]), consumed,
+                           tuple((k, int(state[k])) for k in ORDER_FIELDS if k in state))
     return merge_states(list(state))
 
 

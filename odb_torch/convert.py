@@ -11,7 +11,7 @@ ODB's ``seed``), so every rank trains its own shard and a resume replays the sam
 
 Nothing is patched and the DataLoader is not modified. What cannot be converted soundly
 is refused before anything starts, with an :class:`~odb_core.errors.UnsupportedSettingError`
-naming every such field: an ``IterableDataset`` (streams are not supported yet),
+naming every such field: an ``IterableDataset`` (pass a stream to ``ODBDataLoader`` itself),
 ``batch_size=None``, a custom ``batch_sampler``, a sampler drawing with replacement or not
 over the whole dataset, a non-distributed custom sampler under DDP, ``drop_last=True``
 (ODB yields every sample once: there is no last partial batch to drop), a
@@ -92,10 +92,12 @@ def loader_keywords(dataloader: DataLoader[Any], *, ignore: Collection[str] = ()
 
 
 def _check_dataset(dataset: Any, problems: Problems) -> bool:
-    """Whether ``dataset`` is map-style, with ``__len__`` and ``__getitem__`` (streams are not supported yet)."""
+    """Whether ``dataset`` is map-style, with ``__len__`` and ``__getitem__`` (a stream goes to
+    ``ODBDataLoader`` directly, whose stream arguments a ``DataLoader`` has no counterpart for)."""
     if isinstance(dataset, IterableDataset):
-        problems.append(("dataset", f"{type(dataset).__name__} is an IterableDataset: ODB needs a map-style "
-                                    "dataset (streams are not supported yet)"))
+        problems.append(("dataset", f"{type(dataset).__name__} is an IterableDataset: from_dataloader "
+                                    "converts map-style datasets; pass a stream to ODBDataLoader(stream, ...) "
+                                    "directly (README: Streaming)"))
         return False
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         problems.append(("dataset", f"{type(dataset).__name__} has no __len__ or __getitem__: ODB needs a "

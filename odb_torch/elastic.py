@@ -15,7 +15,7 @@ from typing import Any
 
 from torch.utils.data import DistributedSampler
 
-from odb_core.elastic import GlobalState, assign_views, global_state_from
+from odb_core.elastic import ORDER_FIELDS, GlobalState, assign_views, global_state_from
 from odb_core.errors import ResumeStateError, UnsupportedSettingError
 from odb_core.sampler import padded_order
 
@@ -60,6 +60,28 @@ def global_order(sampler: DistributedSampler[Any], epoch: int, world: int) -> li
     return order[: order_total(sampler, world)] if sampler.drop_last else padded_order(order, world)
 
 
+def order_fields(sampler: DistributedSampler[Any]) -> dict[str, int]:
+    """What fixes a ``DistributedSampler``'s global order besides the epoch and the dataset size
+    (:data:`~odb_core.elastic.ORDER_FIELDS`), for ``state_dict``."""
+    return {"shuffle": int(bool(sampler.shuffle)), "sampler_seed": int(sampler.seed)}
+
+
+def check_order(recorded: Mapping[str, Any], sampler: Any, rank: int) -> None:
+    """:class:`ResumeStateError` (``field`` the first that differs) if the checkpoint recorded a global
+    order (shuffle flag, sampler seed) other than this loader's ``DistributedSampler`` gives: its
+    positions would name other samples, some twice and some never. Nothing to check when the
+    checkpoint recorded none (an older ODB) or the sampler is not a ``DistributedSampler``."""
+    if not isinstance(sampler, DistributedSampler):
+        return
+    mine = order_fields(sampler)
+    for key in ORDER_FIELDS:
+        if key in recorded and int(recorded[key]) != mine[key]:
+            raise ResumeStateError(
+                f"rank {rank}: the checkpoint's sampler had {key}={int(recorded[key])}, this loader's has "
+                f"{key}={mine[key]}: the epoch's order differs, so resuming would repeat some samples and skip "
+                f"others; build the loader with the first run's {key}", field=key, rank=rank)
+
+
 def plan_resume(sampler: Any, rank: int, world: int, seed: int,
                 state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> tuple[GlobalState, ElasticEpoch]:
     """Merge ``state`` (every rank's state_dict, or a merged global state) and deal this rank its
@@ -74,6 +96,7 @@ def plan_resume(sampler: Any, rank: int, world: int, seed: int,
             f"rank {rank}: the checkpoint's order holds {merged.total} views, this dataset and sampler give "
             f"{order_total(ds, merged.order_world)} on {merged.order_world} ranks (another dataset or drop_last?)",
             field="total", rank=rank)
+    check_order(dict(merged.order), ds, rank)
     views = tuple(assign_views(merged, world, rank))
     return merged, ElasticEpoch(merged.epoch, views, merged.total - len(merged.consumed), merged.order_world,
                                 merged.total)

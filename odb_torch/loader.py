@@ -18,7 +18,16 @@ from odb_core.config import BudgetName, LossScaling, Mode, TargetPolicyName
 from odb_core.epoch import EpochDriver
 from odb_core.errors import CollateProcessError, LoaderStateError, PeerError, UnsupportedSettingError
 from odb_torch.collate_process import CollateSpec, collate_main
-from odb_torch.elastic import ElasticEpoch, ElasticOrder, check_sampler, order_total, plan_resume, rank_share
+from odb_torch.elastic import (
+    ElasticEpoch,
+    ElasticOrder,
+    check_order,
+    check_sampler,
+    order_fields,
+    order_total,
+    plan_resume,
+    rank_share,
+)
 from odb_torch.loader_options import CONFIG_DEFAULT, collate_rendezvous, protocol_config, rank_and_world
 from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, decode
 from odb_torch.process_guard import close_at_exit
@@ -232,6 +241,8 @@ class ODBDataLoader:
             state.update(views=list(share.views), pool=share.pool, order_world=share.order_world, total=share.total)
         elif type(self.sampler) is DistributedSampler:  # the global order is known: elastic resume possible
             state.update(order_world=self.world_size, total=order_total(self.sampler, self.world_size))
+        if isinstance(self.sampler, DistributedSampler):
+            state.update(order_fields(self.sampler))
         elif isinstance(self.sampler, StreamSampler):  # positions in this rank's stream: same world size only
             state.update(stream_state(self._spec.num_workers))
             kept = len(self._recent) - unconsumed
@@ -267,6 +278,7 @@ class ODBDataLoader:
             for key, mine in (("rank", self.rank), ("seed", self.config.seed)):
                 if state.get(key) != mine:
                     raise ValueError(f"state_dict {key}={state.get(key)!r} does not match this loader's {mine!r}")
+            check_order(state, self.sampler, self.rank)
             share = rank_share(state)
             self.epoch = int(state["epoch"])
             self._resume = (self.epoch, list(state["consumed"]), int(state["steps"]))

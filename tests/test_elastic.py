@@ -239,6 +239,33 @@ def test_a_checkpoint_taken_right_after_a_resume_keeps_what_the_first_run_consum
     assert elastic.state_dict()["steps"] == 3 and elastic.state_dict()["consumed"] == []
 
 
+def test_a_resume_under_another_sampler_order_is_refused_naming_the_field() -> None:
+    """The checkpoint's positions index the global order its sampler's shuffle flag and seed gave; a
+    loader whose sampler orders the epoch otherwise would repeat some samples and never yield others,
+    so every resume path (elastic, merged, same world) refuses it, and a merge refuses states whose
+    samplers disagree. (A state of an older ODB, without the fields, cannot be checked.)"""
+    first = [loader(2, rank=r).state_dict() for r in range(2)]  # epoch 0, nothing consumed, shuffle on
+    assert all((s["shuffle"], s["sampler_seed"]) == (1, 0) for s in first)
+    states = [dict(s, epoch=1, steps=2, consumed=[0, 1]) for s in first]
+    for change, field in (({"shuffle": False}, "shuffle"), ({"seed": 5}, "sampler_seed")):
+        from torch.utils.data import DistributedSampler
+        from torch_support import ToyDataset
+
+        kw = {"shuffle": True, "seed": 0, **change}
+        for world, rank, state in ((3, 2, states), (3, 0, merge_states(states).to_dict()), (2, 1, states[1])):
+            other = DistributedSampler(ToyDataset(23), num_replicas=world, rank=rank, drop_last=False, **kw)
+            with pytest.raises(ResumeStateError) as err:
+                loader(world, rank=rank, sampler=other, seed=0).load_state_dict(state)
+            assert err.value.field == field and err.value.rank == rank
+    with pytest.raises(ResumeStateError) as split:
+        merge_states([states[0], dict(states[1], shuffle=0)])
+    assert split.value.field == "shuffle" and list(split.value.ranks) == [1]
+    older = [{k: v for k, v in s.items() if k not in ("shuffle", "sampler_seed")} for s in states]
+    unshuffled = loader(3, rank=2, shuffle=False)
+    unshuffled.load_state_dict(older)  # nothing recorded, nothing to check
+    assert unshuffled._elastic is not None
+
+
 def test_stream_checkpoints_are_refused_on_another_world_size_by_the_core_merge() -> None:
     """The adapters merge every rank's file when the world size changed; a stream's states
     (positions in each rank's own stream) must be refused there too, naming the world size."""

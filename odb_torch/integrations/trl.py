@@ -95,8 +95,9 @@ def refuse_unsupported(args: Any, kwargs: Mapping[str, Any]) -> None:
     dataset = kwargs.get("train_dataset")
     streaming = dataset is not None and not hasattr(dataset, "__len__")
     if isinstance(dataset, torch.utils.data.IterableDataset) or streaming:
-        problems.append(("train_dataset", "an IterableDataset: ODB needs a map-style dataset "
-                                          "(streams are not supported yet)"))
+        problems.append(("train_dataset", "an IterableDataset: ODBSFTTrainer takes map-style datasets (TRL "
+                                          "tokenizes them with map); for a stream, use ODBDataLoader(stream, ...) "
+                                          "in your own loop (README: Streaming)"))
     if problems:
         raise UnsupportedSettingError("ODBSFTTrainer cannot honour: " + "; ".join(f"{f}: {why}" for f, why in problems),
                                       fields=[f for f, _ in problems])
