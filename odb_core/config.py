@@ -60,7 +60,8 @@ class ODBConfig(BaseModel):
             model-checked.
         overflow_policy: which groups a rank keeps when it has more than T:
             ``"largest"`` (paper Alg. 1; ties to the oldest) or ``"oldest"``
-            (group holding the longest-waiting sample first; bounds waits by D rounds).
+            (group holding the longest-waiting sample first; bounds waits by D rounds, 2D
+            with regroup on, whose held samples count toward neither the buffer nor D).
         output_capacity: output slots a rank can fill in one round (C_r); ``None``
             means unbounded.
         regroup_padding: a rank that is not drained holds back groups of >= 2
@@ -110,7 +111,7 @@ class ODBConfig(BaseModel):
     @classmethod
     def _policy_follows_budget(cls, data: Any) -> Any:
         """``target_policy`` left out: ``"min"`` under the packed budget (no split adds a
-        part-full row: 99.5-99.9% packing efficiency at W = 2-8 against balanced's
+        part-full row: 99.4-99.9% packing efficiency at W = 2-8 against balanced's
         98.4-99.3%, README "Packed rows"), ``"balanced"`` under the padded one."""
         if isinstance(data, dict) and "target_policy" not in data:
             return {**data, "target_policy": "min" if data.get("budget") == "packed" else "balanced"}
