@@ -42,3 +42,11 @@ def shard_views(order: Sequence[int], world: int, rank: int) -> list[int]:
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} outside world of size {world}")
     return padded_order(order, world)[rank::world]
+
+
+def split_tail(order: Sequence[int], fraction: float) -> tuple[list[int], list[int]]:
+    """``order`` split into the views to shard and the shared tail's pool: its last
+    floor(fraction x N) views (``ODBConfig.shared_tail``; none for fraction 0)."""
+    k = int(len(order) * fraction)
+    cut = len(order) - k
+    return list(order[:cut]), list(order[cut:])
