@@ -36,7 +36,7 @@ from odb_core.schedules import SCHEDULES, shard
 from odb_core.simulator import Cursor, gather_round, simulate
 
 Value = Any  # int | bool | str | tuple[Value, ...] | frozenset[Value]
-VARIABLES = ("next", "Q", "B", "E", "H", "consumed", "lastStep", "lastOut", "rounds", "done")
+VARIABLES = ("next", "Q", "B", "E", "H", "consumed", "lastStep", "lastOut", "rounds", "done", "pc", "claimed")
 
 
 # ---- scenarios and TLA+ text ----------------------------------------------------------
@@ -185,6 +185,8 @@ def abstract(protos: list[RankProtocol], cursor: Cursor) -> tuple[Value, ...]:
         tuple(tuple(tuple(x + 1 for x in item) for item in out) for out in cursor.last_out),
         cursor.rounds,
         cursor.done,
+        cursor.pool_claimed,
+        tuple(tuple(j + 1 for j in claims) for claims in cursor.claims),
     )
 
 

@@ -148,7 +148,7 @@ def shape_errors(trace: Trace) -> str | None:
         where = f"state {j}"
         if len(st) != len(VARIABLES):
             return f"{where}: {len(st)} variables"
-        nxt, q, b, e, h, consumed, last_step, last_out, rounds, done = st
+        nxt, q, b, e, h, consumed, last_step, last_out, rounds, done, _pc, _claimed = st
         per_rank = (nxt, q, b, e, h, last_out)
         if not all(isinstance(x, tuple) and len(x) == world for x in per_rank):
             return f"{where}: next/Q/B/E/H/lastOut need one entry per rank"
@@ -514,6 +514,8 @@ def merge(logs: Sequence[Sequence[Mapping[str, Any]]], name: str = "run") -> Tra
             for ev in seg:
                 if ev["ev"] == "iteration":
                     iteration = int(ev["iteration"])
+                elif ev["ev"] == "claim":
+                    raise MergeError(f"rank {r}: a shared-tail claim; merging pooled runs is not supported yet")
                 elif ev["ev"] == "fetch":
                     bad = [p for p in ev["positions"] if not 0 <= p < nv[r] and r not in stream_ranks]
                     if bad:
@@ -558,7 +560,7 @@ def merge(logs: Sequence[Sequence[Mapping[str, Any]]], name: str = "run") -> Tra
     def push(action: str, pack: tuple[Value, ...] = empty) -> None:
         states.append((tuple(nxt), tuple(frozenset(x) for x in q), tuple(tuple(x) for x in b),
                        tuple(frozenset(x) for x in e), tuple(frozenset(x) for x in h), consumed, last_step,
-                       tuple(last_out), rounds, done))
+                       tuple(last_out), rounds, done, 0, tuple(() for _ in range(world))))
         packs.append(pack)
         actions.append(action)
 

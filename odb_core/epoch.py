@@ -134,6 +134,7 @@ class EpochDriver:
         self.pool: list[int] = []  # the shared tail's views (identities), in sampler order
         self.pool_cursor = 0  # pool views claimed so far (by every rank)
         self._claim: tuple[int, int] = (0, 0)  # this round's own claim: (first pool index, count)
+        self._pool_base = 0  # the sampler position of pool view 0 (after this rank's own views)
         self._iteration_start = 0
         self._record(ev="begin", rank=rank, world=world, epoch=epoch, config=self._trace_config(),
                      quota=0 if self.quota is None else self.quota.quota)
@@ -284,6 +285,16 @@ class EpochDriver:
                              len(self.pool) - self.pool_cursor, self.config.buffer_size)
         self._claim = (self.pool_cursor + sum(counts[: self.rank]), counts[self.rank])
         self.pool_cursor += sum(counts)
+
+    @property
+    def claimed_pool(self) -> tuple[int, ...]:
+        """The pool indices this rank claimed in the current iteration, in order (applied claims)."""
+        return tuple(k - self._pool_base for k in self.kept if k >= self._pool_base) if self.pool else ()
+
+    @property
+    def pool_applied(self) -> int:
+        """Pool views claimed by every rank (between rounds, every claim is applied)."""
+        return self.pool_cursor
 
     def _apply_claims(self, proto: RankProtocol) -> None:
         """This round's claim joins R; the last claim of the pool makes every view count final."""

@@ -64,12 +64,17 @@ class Cursor:
     last_out: list[tuple[tuple[int, ...], ...]]
     rounds: int = 0
     done: bool = False
+    pool_claimed: int = 0
+    """The shared tail: pool views claimed so far (spec: pc)."""
+    claims: list[tuple[int, ...]] = field(default_factory=list)
+    """Per rank, the 0-based pool indices it claimed, in order (spec: claimed, 1-based)."""
 
     @classmethod
     def of(cls, drivers: Sequence[EpochDriver]) -> Cursor:
         """The cursor of a world of drivers (rank 0's shared fields)."""
         d = drivers[0]
-        return cls(d.quota, [x.last_out for x in drivers], d.rounds, d.done)
+        return cls(d.quota, [x.last_out for x in drivers], d.rounds, d.done, d.pool_applied,
+                   [x.claimed_pool for x in drivers])
 
 
 Packing = list[list[list[int]]]
