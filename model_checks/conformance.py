@@ -64,6 +64,8 @@ class Scenario:
     """(RegroupNum, RegroupDen): the core's ``regroup_padding`` as a fraction; (0, 0) is off."""
     budget_kind: str = "padded"
     """The core's ``budget`` (spec: ``BudgetKind``): "padded" or "packed"."""
+    pool: tuple[int, ...] = ()
+    """The shared tail's pool (its views' lengths; spec: ``Pool``): every rank claims from it (join)."""
     stream: bool = False
     """Each rank's views are a stream whose length the core learns only when a fetch reaches past
     it (``EpochDriver(stream=True)``; spec: ``StreamOn <- StreamsOn``, next = NV + 2 once known)."""
@@ -80,6 +82,7 @@ class Scenario:
             overflow_policy=self.overflow, target_policy=self.policy,  # type: ignore[arg-type]
             seed=self.seed, shuffle_steps=self.shuffle,
             regroup_padding=self.regroup[0] / self.regroup[1] if self.regroup[1] else None,
+            shared_tail=0.5 if self.pool else 0.0,  # the pool itself is given (_chain), not cut by the fraction
         )
 
     def constants(self) -> dict[str, Value]:
@@ -89,6 +92,7 @@ class Scenario:
             "Capacity": self.capacity, "JoinMode": self.join, "Quota": self.quota, "Overflow": self.overflow,
             "Policy": self.policy,
             "RegroupNum": self.regroup[0], "RegroupDen": self.regroup[1],
+            **({"Pool": self.pool} if self.pool else {}),
         }
 
 
@@ -195,6 +199,12 @@ def abstract(protos: list[RankProtocol], cursor: Cursor) -> tuple[Value, ...]:
 class _Node:
     drivers: list[EpochDriver]
     lengths: tuple[tuple[int, ...], ...]
+    pool: tuple[int, ...] = ()
+
+    def length(self, r: int, pos: int) -> int:
+        """The length of rank r's view at ``pos`` (its own, or a claimed pool view)."""
+        ident = self.drivers[r].views[pos]
+        return self.pool[ident - POOL_ID] if ident >= POOL_ID else self.lengths[r][ident]
 
     @property
     def protos(self) -> list[RankProtocol]:
@@ -209,15 +219,19 @@ def _initial(s: Scenario) -> _Node:
     """Every rank's epoch driver (the one the simulator and the collate process run) at Init."""
     cfg, world = s.config(), len(s.lengths)
     drivers = [driver(s.mutant)(cfg, r, world, quota=s.quota, stream=s.stream) for r in range(world)]
-    _chain(drivers, s.lengths)
-    return _Node(drivers, s.lengths)
+    _chain(drivers, s.lengths, s.pool)
+    return _Node(drivers, s.lengths, s.pool)
 
 
-def _chain(drivers: list[EpochDriver], lengths: tuple[tuple[int, ...], ...]) -> None:
+POOL_ID = 1 << 20
+"""Identity of pool view j in the enumeration: POOL_ID + j (a rank's own views are 0..NV-1)."""
+
+
+def _chain(drivers: list[EpochDriver], lengths: tuple[tuple[int, ...], ...], pool: tuple[int, ...] = ()) -> None:
     """Start the logical iteration each driver asks for, over the same views (the spec's shards)."""
     if drivers[0].sampler_epoch is not None:
         for d, ls in zip(drivers, lengths):
-            d.start_iteration(() if d.stream else list(range(len(ls))))
+            d.start_iteration(() if d.stream else list(range(len(ls))), [POOL_ID + j for j in range(len(pool))])
 
 
 def _copy(node: _Node) -> _Node:
@@ -231,20 +245,21 @@ def _successors(node: _Node) -> Iterable[_Node]:
         yield node  # Terminating
         return
     for r, p in enumerate(node.protos):
-        if (p.next_position < len(p.views) or not p.ended) and p.fetch_room() > 0:
+        if (p.next_position < len(p.views) or (p.streamed and not p.ended)) and p.fetch_room() > 0:
             nxt = _copy(node)
             d = nxt.drivers[r]
-            if any(s >= len(node.lengths[r]) for s in d.stream_positions(d.fetch())):
+            fetched = d.stream_positions(d.fetch())
+            if d.stream and any(s >= len(node.lengths[r]) for s in fetched):
                 d.end_stream(len(node.lengths[r]))  # a read past the stream's end reveals it
             yield nxt
     for r, p in enumerate(node.protos):
         for pos in sorted(p.in_flight):
             nxt = _copy(node)
-            nxt.drivers[r].arrive(pos, node.lengths[r][pos])
+            nxt.drivers[r].arrive(pos, node.length(r, pos))
             yield nxt
     nxt = _copy(node)
     gather_round(nxt.drivers)
-    _chain(nxt.drivers, nxt.lengths)  # non-join: the drivers chain the next logical iteration
+    _chain(nxt.drivers, nxt.lengths, nxt.pool)  # non-join: the drivers chain the next logical iteration
     yield nxt
 
 
@@ -336,6 +351,8 @@ STATE_SPACE_SCENARIOS = (  # in aligned order, so the core's state space equals 
     # regroup holds the packed pair (3, 4); the next buffer walks it first, so 5 does not split it
     Scenario("join_1_held_first", ((3, 9, 4, 5),), buffer_size=3, depth=4, policy="balanced", budget_kind="packed",
              shuffle=False),
+    # the shared tail (spec/MC.tla NV_2t, Pool_2t): the short rank runs out first and claims the pool
+    Scenario("join_2_pool", ((6, 7), (1, 2)), pool=(3, 1, 4, 2), policy="balanced", shuffle=False),
 )
 SHUFFLED_SCENARIOS = (  # shuffled steps: one seeded order per round, inside the spec's every order
     # 3 views per rank: 2,712 core states, 440 of them reached only by shuffling (17 s; the 4-view
