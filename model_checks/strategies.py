@@ -66,7 +66,7 @@ def cases(
         budget=draw(st.sampled_from(budgets)),
         buffer_size=buffer_size,
         depth=depth,
-        mode=mode,
+        mode=mode,  # type: ignore[arg-type]
         loss_scaling=draw(st.sampled_from(["none", "sample", "approx", "exact"])),
         seed=draw(st.integers(0, 2**16)),
         target_policy=draw(st.sampled_from(TARGET_POLICIES)),
