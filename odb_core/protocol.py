@@ -310,7 +310,9 @@ class RankProtocol:
         if self._reports_finished(drained):
             status, self._groups = Status.FINISHED, []
             nbuf = 0
-        elif nbuf and (nbuf - len(self._held) >= self.config.buffer_size or drained):
+        elif self._pool_dry() and not nbuf:  # nothing to emit now: it claims, and blocks nobody
+            status, self._groups = Status.IDLE, []
+        elif nbuf and (nbuf - len(self._held) >= self.config.buffer_size or drained or self._pool_dry()):
             status = Status.READY
             self._groups = self._group()
         else:
@@ -457,6 +459,12 @@ class RankProtocol:
         """The buffer's groups under the configured budget, short to long (P3): the B(l) walk
         (padded) or best-fit decreasing, held samples walked first (packed); :mod:`odb_core.budgets`."""
         return self._rule(self._length, self.config.token_budget, self._held)
+
+    def _pool_dry(self) -> bool:
+        """A shared tail's pool is open and every view of this rank has arrived: it groups what it
+        has (a partial buffer is ready, an empty one IDLE) rather than wait for claims, so its
+        samples wait no longer than without a pool."""
+        return not self.ended and self._stream is None and self._next == len(self.views) and not self._inflight
 
     def _reports_finished(self, drained: bool) -> bool:
         """The header says FINISHED: R, Q and B are empty (P4 rests on this)."""

@@ -49,6 +49,7 @@ class Status(IntEnum):
     WAITING = 0  # holds too few samples to group (and the sampler is not exhausted)
     READY = 1  # formed ``groups`` > 0 candidate groups
     FINISHED = 2  # R, Q and B are all empty
+    IDLE = 3  # a shared tail's pool is open and R, Q and B are empty: nothing to emit now, blocks nobody
 
 
 _STATUS = {int(s): s for s in Status}
@@ -94,7 +95,7 @@ def decode_header(vector: Sequence[int], rank: int, length: int = HEADER_LEN) ->
     status = _STATUS.get(status_code)
     if status is None:
         raise WireFormatError(f"rank {rank} header: unknown status {status_code}")
-    if status is Status.FINISHED and (groups or samples or tokens or pending or load):
+    if status in (Status.FINISHED, Status.IDLE) and (groups or samples or tokens or pending or load):
         raise PeerInconsistencyError(
             f"rank {rank} reports finished while holding {samples} samples in {groups} groups "
             f"({pending} pending)"

@@ -65,6 +65,7 @@ NVr(r) == NV[r] + Len(claimed[r])
 LenOf(r, p) == IF p <= NV[r] THEN Length[r][p] ELSE Pool[claimed[r][p - NV[r]]]
 Views(r) == 1..NVr(r)
 Remaining(r) == next[r]..NVr(r)
+Pend(r) == Cardinality(Remaining(r)) + Cardinality(Q[r])  \* views not yet arrived
 
 (* Streams (an IterableDataset): a rank's view count is unknown until its  *)
 (* stream ends. NV[r] is then the stream's length, which the rank does not *)
@@ -88,8 +89,14 @@ BS(l) == LET q == Budget \div (IF l < 1 THEN 1 ELSE l) IN IF q < 1 THEN 1 ELSE q
 (* Per-rank status, as the header reports it.                              *)
 Drained(r) == EndKnown(r) /\ next[r] > NVr(r) /\ Q[r] = {}
 IsFinished(r) == Drained(r) /\ B[r] = <<>>
+\* "idle": the shared tail's pool is open and the rank holds nothing (R, Q, B empty): it claims
+\* at this gather, emits idle items, and blocks no target policy (it is neither ready nor waiting)
+\* PoolDry(r): the pool is open and every view of r has arrived: r groups what it has (ready)
+\* rather than wait for claims, so its samples wait no longer than without a pool
+PoolDry(r) == pc < Len(Pool) /\ Pend(r) = 0
 Status(r) == IF IsFinished(r) THEN "finished"
-             ELSE IF B[r] # <<>> /\ (Len(B[r]) - Cardinality(H[r]) >= BufSize \/ Drained(r)) THEN "ready"
+             ELSE IF B[r] = <<>> /\ PoolDry(r) THEN "idle"
+             ELSE IF B[r] # <<>> /\ (Len(B[r]) - Cardinality(H[r]) >= BufSize \/ Drained(r) \/ PoolDry(r)) THEN "ready"
              ELSE "waiting"
 
 (* Grouping: the B(l) walk over B sorted by (length, position).            *)
@@ -282,7 +289,6 @@ RecordedOrder(al, T) == IF IsOrderOf(lastOut', al) THEN {lastOut'} ELSE {}
 (* nobody takes any while a rank has nothing pending, the least-loaded    *)
 (* such rank (lowest rank on ties) takes one.                             *)
 Ld(r) == SumSeq([k \in DOMAIN B[r] |-> LenOf(r, B[r][k])])
-Pend(r) == Cardinality(Remaining(r)) + Cardinality(Q[r])
 TotL == SumSeq([r \in Ranks |-> Ld(r)])
 TotS == SumSeq([r \in Ranks |-> Len(B[r])])
 MeanNum == IF TotS > 0 /\ TotL > 0 THEN TotL ELSE 1
