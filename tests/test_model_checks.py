@@ -121,7 +121,7 @@ def test_state_space_comparison_tells_min_from_balanced(monkeypatch):
 
 
 def test_state_space_comparison_catches_a_core_that_deals_the_pool_otherwise(monkeypatch):
-    """The shared tail: the core's claims equal the spec's (join_2_pool: 501 states), and a core
+    """The shared tail: the core's claims equal the spec's (join_2_pool: 548 states), and a core
     that hands the pool to the first rank with nothing pending instead of filling the least
     loaded ones leaves the spec's state space."""
     import odb_core.epoch as epoch
