@@ -97,7 +97,7 @@ def decode_header(vector: Sequence[int], rank: int, length: int = HEADER_LEN) ->
         raise WireFormatError(f"rank {rank} header: unknown status {status_code}")
     if status in (Status.FINISHED, Status.IDLE) and (groups or samples or tokens or pending or load):
         raise PeerInconsistencyError(
-            f"rank {rank} reports finished while holding {samples} samples in {groups} groups "
+            f"rank {rank} reports {status.name.lower()} while holding {samples} samples in {groups} groups "
             f"({pending} pending)"
         )
     if status is Status.WAITING and groups:
@@ -211,7 +211,7 @@ def _headers_fast(vectors: Sequence[Sequence[int]], iteration: int, rnd: int, le
         if status is Status.READY:
             if not 1 <= groups <= samples:
                 raise _Slow
-        elif groups or (status is Status.FINISHED and (samples or tokens)):
+        elif groups or (status in (Status.FINISHED, Status.IDLE) and (samples or tokens)):
             raise _Slow
         headers.append(Header(it, rn, status, groups, capacity, samples, tokens))
     return headers
