@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from odb_core.errors import ResumeStateError
+from odb_core.errors import LoaderStateError, ResumeStateError
 
 AGREED_FIELDS = ("epoch", "steps", "seed", "total", "order_world")
 """The fields every rank's state must share for a merge."""
@@ -201,3 +201,14 @@ def assign_views(state: GlobalState, world: int, rank: int) -> list[int]:
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} outside world of size {world}")
     return state.remaining()[rank::world]
+
+
+def check_resumed_epoch(loaded: int | None, epoch: int, rank: int) -> None:
+    """A loaded position belongs to epoch ``loaded``: iterating another ``epoch`` would discard it
+    silently, so it is a :class:`LoaderStateError` (the position stays loaded). ``loaded`` None:
+    nothing was loaded."""
+    if loaded is not None and loaded != epoch:
+        raise LoaderStateError(
+            f"rank {rank}: load_state_dict() loaded a position in epoch {loaded}, but the loader is iterating "
+            f"epoch {epoch}, which would discard it; call set_epoch({loaded}) (loader.epoch right after "
+            "load_state_dict) to resume, or build a new loader to start over", rank=rank)

@@ -15,6 +15,7 @@ from torch.utils.data import Dataset, DistributedSampler, default_collate
 
 from odb_core import ODBConfig
 from odb_core.config import BudgetName, LossScaling, Mode, TargetPolicyName
+from odb_core.elastic import check_resumed_epoch
 from odb_core.epoch import EpochDriver
 from odb_core.errors import CollateProcessError, LoaderStateError, PeerError, UnsupportedSettingError
 from odb_torch.collate_process import CollateSpec, collate_main
@@ -317,12 +318,7 @@ class ODBDataLoader:
         (or :meth:`close`) makes an older one raise :class:`LoaderStateError` on ``next()``, and so
         does iterating another epoch than the one :meth:`load_state_dict` loaded (it would discard it)."""
         epoch = self.epoch
-        if self._resume is not None and self._resume[0] != epoch:
-            raise LoaderStateError(
-                f"rank {self.rank}: load_state_dict() loaded a position in epoch {self._resume[0]}, but the loader "
-                f"is iterating epoch {epoch}, which would discard it; call set_epoch({self._resume[0]}) "
-                "(loader.epoch right after load_state_dict) to resume, or build a new loader to start over",
-                rank=self.rank)
+        check_resumed_epoch(None if self._resume is None else self._resume[0], epoch, self.rank)
         if self._epoch_open:
             # the previous iteration was abandoned mid-epoch (break): the collate process
             # is still in that epoch and its queued batches are stale, so restart it

@@ -112,7 +112,7 @@ class ODBSFTTrainer(ODBTrainer, SFTTrainer):  # type: ignore[misc]
     from ``ODBTrainer``'s: ``loss_sum_fn`` is TRL's ``loss_type`` summed (:data:`LOSSES`),
     ``collate_fn`` TRL's collator, ``length_fn`` the padded length under
     ``pad_to_multiple_of``. Refused settings raise :class:`UnsupportedSettingError` before
-    the dataset is prepared (the mixture-of-experts one right after).
+    the dataset is prepared (the mixture-of-experts and vision-data ones right after).
     """
 
     def __init__(self, model: Any = None, args: Any = None, *, token_budget: int,
