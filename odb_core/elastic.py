@@ -203,6 +203,19 @@ def assign_views(state: GlobalState, world: int, rank: int) -> list[int]:
     return state.remaining()[rank::world]
 
 
+def check_order(recorded: Mapping[str, Any], current: Mapping[str, int], rank: int) -> None:
+    """:class:`ResumeStateError` (``field`` the first that differs) if the checkpoint recorded an
+    :data:`ORDER_FIELDS` value other than the resuming loader's sampler has (``current``): the
+    checkpoint's positions would name other samples, some twice and some never. Fields the
+    checkpoint did not record (an older ODB) or the sampler does not have are not checked."""
+    for key in ORDER_FIELDS:
+        if key in recorded and key in current and int(recorded[key]) != current[key]:
+            raise ResumeStateError(
+                f"rank {rank}: the checkpoint's sampler had {key}={int(recorded[key])}, this loader's has "
+                f"{key}={current[key]}: the epoch's order differs, so resuming would repeat some samples and skip "
+                f"others; build the loader with the first run's {key}", field=key, rank=rank)
+
+
 def check_resumed_epoch(loaded: int | None, epoch: int, rank: int) -> None:
     """A loaded position belongs to epoch ``loaded``: iterating another ``epoch`` would discard it
     silently, so it is a :class:`LoaderStateError` (the position stays loaded). ``loaded`` None:

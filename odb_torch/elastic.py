@@ -15,7 +15,8 @@ from typing import Any
 
 from torch.utils.data import DistributedSampler
 
-from odb_core.elastic import ORDER_FIELDS, GlobalState, assign_views, global_state_from
+from odb_core.elastic import GlobalState, assign_views, global_state_from
+from odb_core.elastic import check_order as core_check_order
 from odb_core.errors import ResumeStateError, UnsupportedSettingError
 from odb_core.sampler import padded_order
 
@@ -67,19 +68,10 @@ def order_fields(sampler: DistributedSampler[Any]) -> dict[str, int]:
 
 
 def check_order(recorded: Mapping[str, Any], sampler: Any, rank: int) -> None:
-    """:class:`ResumeStateError` (``field`` the first that differs) if the checkpoint recorded a global
-    order (shuffle flag, sampler seed) other than this loader's ``DistributedSampler`` gives: its
-    positions would name other samples, some twice and some never. Nothing to check when the
-    checkpoint recorded none (an older ODB) or the sampler is not a ``DistributedSampler``."""
-    if not isinstance(sampler, DistributedSampler):
-        return
-    mine = order_fields(sampler)
-    for key in ORDER_FIELDS:
-        if key in recorded and int(recorded[key]) != mine[key]:
-            raise ResumeStateError(
-                f"rank {rank}: the checkpoint's sampler had {key}={int(recorded[key])}, this loader's has "
-                f"{key}={mine[key]}: the epoch's order differs, so resuming would repeat some samples and skip "
-                f"others; build the loader with the first run's {key}", field=key, rank=rank)
+    """The core's :func:`~odb_core.elastic.check_order` against this loader's sampler's order
+    fields (a sampler other than a ``DistributedSampler`` has none to check)."""
+    if isinstance(sampler, DistributedSampler):
+        core_check_order(recorded, order_fields(sampler), rank)
 
 
 def plan_resume(sampler: Any, rank: int, world: int, seed: int,

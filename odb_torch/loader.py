@@ -242,14 +242,14 @@ class ODBDataLoader:
             state.update(views=list(share.views), pool=share.pool, order_world=share.order_world, total=share.total)
         elif type(self.sampler) is DistributedSampler:  # the global order is known: elastic resume possible
             state.update(order_world=self.world_size, total=order_total(self.sampler, self.world_size))
-        if isinstance(self.sampler, DistributedSampler):
-            state.update(order_fields(self.sampler))
         elif isinstance(self.sampler, StreamSampler):  # positions in this rank's stream: same world size only
             state.update(stream_state(self._spec.num_workers))
             kept = len(self._recent) - unconsumed
             state["stream_resume"] = self._recent[kept - 1][2] if kept > 0 else self._stream_point
             if self.sampler.element_id is not None:
                 state["consumed_ids"] = self._consumed_ids[: len(consumed)]
+        if isinstance(self.sampler, DistributedSampler):  # what fixes its order: every resume checks it
+            state.update(order_fields(self.sampler))
         return state
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
