@@ -211,7 +211,14 @@ class ODBDataLoader:
         return self._step_info
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the sampler permutation of ``epoch`` (call it on every rank, as with DistributedSampler)."""
+        """Select the sampler permutation of ``epoch`` (call it on every rank, as with DistributedSampler).
+        Another epoch than the current one starts at its beginning: :meth:`state_dict` then holds
+        nothing consumed (a position loaded by :meth:`load_state_dict` stays held, its epoch checked
+        at ``iter``)."""
+        if epoch != self.epoch and self._resume is None:
+            self._consumed, self._steps, self._consumed_ids = [], 0, []
+            self._recent.clear()
+            self._stream_point = None
         self.epoch = epoch
 
     def state_dict(self, unconsumed: int = 0) -> dict[str, Any]:

@@ -29,3 +29,35 @@ def test_iterating_another_epoch_than_the_loaded_one_is_refused(other_epoch):
         assert loader.state_dict()["consumed"] == [0, 1, 2]  # the loaded position is still held
     finally:
         loader.close()
+
+
+def _ids(batch: dict[str, object]) -> list[int]:
+    return batch["idx"].tolist()  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_checkpoint_after_set_epoch_of_the_next_epoch_resumes_all_of_it(finished):
+    """P4 across a checkpoint at an epoch boundary: set_epoch(e + 1) after epoch e (finished, or left
+    by a break) starts e + 1 at its beginning, so a state_dict taken then resumes every view of e + 1
+    (it used to carry e's consumed positions into e + 1, and the resume yielded nothing)."""
+    n = 12
+    loader = ODBDataLoader(ToyDataset(n), token_budget=64, rank=0, world_size=1, num_workers=0, buffer_size=4)
+    try:
+        loader.set_epoch(0)
+        for k, _ in enumerate(loader):
+            if not finished and k == 1:
+                break
+        loader.set_epoch(1)
+        state = loader.state_dict()
+        assert (state["epoch"], state["consumed"], state["steps"]) == (1, [], 0)
+    finally:
+        loader.close()
+    resumed = ODBDataLoader(ToyDataset(n), token_budget=64, rank=0, world_size=1, num_workers=0, buffer_size=4)
+    try:
+        resumed.load_state_dict(state)
+        resumed.set_epoch(resumed.epoch)
+        ids = [i for batch in resumed for i in _ids(batch)]
+        assert sorted(ids) == list(range(n)), "P4: the resumed epoch must yield every view once"
+    finally:
+        resumed.close()
