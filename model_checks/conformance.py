@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from model_checks.mutants import PACKED_MUTANTS, driver
+from model_checks.mutants import PACKED_MUTANTS, POOL_MUTANTS, driver
 from model_checks.tla import SPEC_DIR, TlcRun, sany, tlc
 from odb_core import ODBConfig, RankProtocol
 from odb_core.config import BUDGETS, OVERFLOW_POLICIES, TARGET_POLICIES
 from odb_core.epoch import EpochDriver
 from odb_core.quota import QuotaTracker
-from odb_core.sampler import permutation
+from odb_core.sampler import permutation, split_tail
 from odb_core.schedules import SCHEDULES, shard
 from odb_core.simulator import Cursor, gather_round, simulate
 
@@ -460,6 +460,28 @@ def random_scenario(rng: random.Random, seed: int, mutant: str | None = None) ->
     return scenario, lengths, schedule
 
 
+def pooled_scenario(rng: random.Random, seed: int, mutant: str | None = None) -> tuple[Scenario, list[int], str]:
+    """A small random join-mode configuration with a shared tail (W = 2-3, 6-10 views, the last
+    half of them the pool: ``Scenario.config()``'s ``shared_tail`` 0.5): the scenario (the
+    per-rank lengths of the shards and the pool's lengths), the dataset lengths, the schedule."""
+    world = rng.randint(2, 3)
+    n = rng.randint(6, 10)
+    budget = rng.choice([4, 10, 16])
+    buffer_size = rng.randint(1, 3)
+    schedule = rng.choice(SCHEDULES)
+    lengths = [rng.choice([0, rng.randint(1, budget), rng.randint(1, 3 * budget + 1)]) for _ in range(n)]
+    own, pool = split_tail(permutation(n, seed, 0, shuffle=False), 0.5)  # Scenario.config()'s shared_tail
+    shards = shard(own, world, schedule, seed)
+    scenario = Scenario(
+        name="pooled", lengths=tuple(tuple(lengths[i] for i in views) for views in shards), budget=budget,
+        buffer_size=buffer_size, depth=buffer_size + rng.randint(0, 2), capacity=rng.choice([0, 0, 1, 2]),
+        overflow=rng.choice(OVERFLOW_POLICIES), policy=rng.choice(TARGET_POLICIES), mutant=mutant, seed=seed,
+        regroup=rng.choice([(0, 0), (1, 50), (1, 5)]), budget_kind=rng.choice(BUDGETS),
+        pool=tuple(lengths[i] for i in pool),
+    )
+    return scenario, lengths, schedule
+
+
 def trace_module(traces: list[Trace]) -> str:
     """The TraceData module of ``traces`` (moved to :func:`model_checks.traces.trace_module`)."""
     from model_checks import traces as tv
@@ -482,22 +504,27 @@ TRACEABLE_MUTANTS = ("no-cmin", "drop-overflow", "early-finish", "merge-overflow
 
 
 def clean_traces(count: int, seed: int = 0) -> list[Trace]:
-    """``count`` traces of the unmutated core on random small configurations."""
-    rng = random.Random(f"odb-traces:{seed}")
-    return [record(*random_scenario(rng, k)) for k in range(count)]
+    """``count`` traces of the unmutated core on random small configurations, the last eighth
+    (``count // 8``) of them with a shared tail (:func:`pooled_scenario`)."""
+    rng, pool_rng = random.Random(f"odb-traces:{seed}"), random.Random(f"odb-pooled-traces:{seed}")
+    pooled = count // 8
+    return ([record(*random_scenario(rng, k)) for k in range(count - pooled)]
+            + [record(*pooled_scenario(pool_rng, k)) for k in range(pooled)])
 
 
 def mutant_traces(per_mutant: int, seed: int = 0, tries: int = 4000) -> dict[str, list[Trace]]:
-    """Per traceable mutant, traces on which the mutation changed the behaviour
-    (the mutated run's trace differs from the clean run's on the same inputs)."""
+    """Per traceable mutant (the shared tail's on pooled configurations), traces on which the
+    mutation changed the behaviour (the mutated run's trace differs from the clean run's on
+    the same inputs)."""
     rng = random.Random(f"odb-mutant-traces:{seed}")
     out: dict[str, list[Trace]] = {}
-    for mutant in TRACEABLE_MUTANTS:
+    for mutant in (*TRACEABLE_MUTANTS, *POOL_MUTANTS):
+        draw = pooled_scenario if mutant in POOL_MUTANTS else random_scenario
         found: list[Trace] = []
         for k in range(tries):
             if len(found) == per_mutant:
                 break
-            scenario, data, schedule = random_scenario(rng, k, mutant)
+            scenario, data, schedule = draw(rng, k, mutant)
             bad = record(scenario, data, schedule)
             good = record(Scenario(**{**scenario.__dict__, "mutant": None}), data, schedule)
             if bad.states != good.states:

@@ -201,7 +201,8 @@ class EpochDriver:
                                           pool_open=bool(self.pool))
         self.rounds, self.last_out = 0, ()
         self._iteration_start = self.quota.emitted if self.quota is not None else 0
-        self._record(ev="iteration", iteration=self.iteration, views=-1 if self.stream else len(views))
+        self._record(ev="iteration", iteration=self.iteration, views=-1 if self.stream else len(views),
+                     pool=len(self.pool))
 
     @property
     def views(self) -> list[int]:
@@ -302,7 +303,8 @@ class EpochDriver:
         if count:
             proto.claim(self.pool[start : start + count])
             self.kept.extend(range(self._pool_base + start, self._pool_base + start + count))
-            self._record(ev="claim", first=start, count=count, cursor=self.pool_cursor)
+            # round: the gather that applies it (logged after a skip round's gather, before an emitting one's)
+            self._record(ev="claim", round=proto.round - 1, first=start, count=count, cursor=self.pool_cursor)
         self._claim = (0, 0)
         if self.pool and self.pool_cursor == len(self.pool) and not proto.ended:
             proto.close_pool()

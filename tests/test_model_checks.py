@@ -149,7 +149,7 @@ def test_simulator_traces_replay_as_spec_behaviours():
     assert {t.scenario.budget_kind for t in traces} == {"padded", "packed"}
     held = conformance.VARIABLES.index("H")
     assert any(any(st[held]) for t in traces for st in t.states), "no trace holds a group back to regroup"
-    # every kind of step occurs: fetch, drain, gather, split, overflow, hold, skip, chain, end
+    # every kind of step occurs: fetch, drain, gather, split, overflow, hold, skip, chain, end, claim
     trace_validation.require_coverage(traces)
     # every invariant on every state, the B(l) grouping at every gather, done at the end
     rejected = [v for v in trace_validation.replay(traces, batch=TRACE_BATCH) if not v.accepted]
