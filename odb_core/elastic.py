@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from odb_core.errors import LoaderStateError, ResumeStateError
+from odb_core.errors import LoaderStateError, ResumeStateError, UnsupportedSettingError
 
 AGREED_FIELDS = ("epoch", "steps", "seed", "total", "order_world")
 """The fields every rank's state must share for a merge."""
@@ -225,3 +225,17 @@ def check_resumed_epoch(loaded: int | None, epoch: int, rank: int) -> None:
             f"rank {rank}: load_state_dict() loaded a position in epoch {loaded}, but the loader is iterating "
             f"epoch {epoch}, which would discard it; call set_epoch({loaded}) (loader.epoch right after "
             "load_state_dict) to resume, or build a new loader to start over", rank=rank)
+
+
+def check_tail_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], shared_tail: float, rank: int) -> None:
+    """Resuming with a shared tail (``ODBConfig.shared_tail`` > 0): only at an epoch boundary. Mid-epoch,
+    the pool views a rank claimed and had not yet yielded are known to that rank alone, so no
+    resume can deal them again exactly once (P4): :class:`UnsupportedSettingError` rather than a
+    silent loss. ``state``: one rank's state_dict, every rank's, or a merged global state."""
+    states = [state] if isinstance(state, Mapping) else list(state)
+    if shared_tail and any(s.get("consumed") for s in states):
+        raise UnsupportedSettingError(
+            f"rank {rank}: a loader with shared_tail={shared_tail} resumes only at an epoch boundary (a "
+            "state_dict taken mid-epoch holds pool views claimed by one rank and not yet yielded); resume with "
+            "shared_tail=0 from an epoch boundary, or checkpoint the loader between epochs", field="shared_tail",
+            rank=rank)

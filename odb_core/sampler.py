@@ -50,3 +50,11 @@ def split_tail(order: Sequence[int], fraction: float) -> tuple[list[int], list[i
     k = int(len(order) * fraction)
     cut = len(order) - k
     return list(order[:cut]), list(order[cut:])
+
+
+def tail_views(order: Sequence[int], world: int, rank: int, fraction: float) -> tuple[list[int], list[int]]:
+    """Rank ``rank``'s own views and the shared tail's pool of the epoch's (unpadded) global
+    ``order``: the pool is its last floor(fraction x N) views, the rest is sharded like
+    ``DistributedSampler(drop_last=False)`` (:func:`shard_views`). Every rank gets the same pool."""
+    own, pool = split_tail(order, fraction)
+    return shard_views(own, world, rank), pool
