@@ -58,3 +58,10 @@ def tail_views(order: Sequence[int], world: int, rank: int, fraction: float) -> 
     ``DistributedSampler(drop_last=False)`` (:func:`shard_views`). Every rank gets the same pool."""
     own, pool = split_tail(order, fraction)
     return shard_views(own, world, rank), pool
+
+
+def epoch_views(n: int, world: int, fraction: float = 0.0) -> int:
+    """Views an epoch of ``n`` samples serves over ``world`` ranks: the pool's floor(fraction x n)
+    once each, the rest padded as ``DistributedSampler(drop_last=False)`` pads it."""
+    k = int(n * fraction)
+    return k + world * -(-(n - k) // world)

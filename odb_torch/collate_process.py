@@ -322,9 +322,11 @@ class CollateServer:
         the step vectors, and deliver each output; True if this rank's loop got its EpochEnd."""
         ended = False
         plan = driver.on_headers(self._gather(driver.begin_round(), "header"))
-        if plan.step_vector is not None:
-            for item in driver.on_steps(self._gather_steps(plan.step_vector)):
-                ended = self._deliver(driver, item, samples) or ended
+        steps = driver.on_steps(self._gather_steps(plan.step_vector)) if plan.step_vector is not None else []
+        if driver.protocol is not None and len(driver.views) > self._scheduled:
+            self._claim_loads(driver)  # claimed pool views start loading now, while the batches train
+        for item in steps:
+            ended = self._deliver(driver, item, samples) or ended
         self._flush_trace(driver)
         return ended
 
@@ -384,7 +386,8 @@ class CollateServer:
 
     def _claim_loads(self, driver: EpochDriver) -> Iterator[list[tuple[int, Any, tuple[int, int]]]]:
         """The loads of the pool views this rank claimed since its loads last started (P4: every
-        claimed view is loaded, after its own views, in position order)."""
+        claimed view is loaded, after its own views, in position order). A rank claims only with
+        every earlier view arrived, so the loads it replaces have nothing left to yield."""
         self._close_loading()
         claimed = range(self._scheduled, len(driver.views))
         self._scheduled = len(driver.views)

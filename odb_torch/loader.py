@@ -266,6 +266,8 @@ class ODBDataLoader:
                 state["consumed_ids"] = self._consumed_ids[: len(consumed)]
         if isinstance(self.sampler, DistributedSampler):  # what fixes its order: every resume checks it
             state.update(order_fields(self.sampler))
+        if self.config.shared_tail:  # positions index the pooled order: resumable from an epoch's start only
+            state["shared_tail"] = self.config.shared_tail
         return state
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
@@ -302,6 +304,8 @@ class ODBDataLoader:
             self._resume = (self.epoch, list(state["consumed"]), int(state["steps"]))
         else:
             merged, share = plan_resume(self.sampler, self.rank, self.world_size, self.config.seed, state)
+            if self.config.shared_tail:  # nothing consumed (check_tail_resume): a whole epoch, the pool cut anew
+                share = None
             self.epoch = merged.epoch
             self._resume = (self.epoch, [], merged.steps)
         if share is not None or self._elastic is not None:

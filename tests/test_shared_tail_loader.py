@@ -12,7 +12,7 @@ from torch.utils.data import DistributedSampler
 from torch_support import ToyDataset, check_real_traces, sample_length
 
 from odb_core.errors import UnsupportedSettingError
-from odb_torch import ODBDataLoader
+from odb_torch import ODBDataLoader, pad_collate
 from odb_torch.elastic import global_order
 
 pytestmark = pytest.mark.timeout(300)
@@ -69,3 +69,45 @@ def test_a_mid_epoch_resume_of_a_pooled_loader_is_refused_not_lossy():
     loader.load_state_dict({**state, "consumed": [], "steps": 0})
     assert loader.epoch == 1
     loader.close()
+
+
+def test_a_pooled_mid_epoch_state_is_refused_by_any_loader_and_by_merge_states():
+    """P4: a pooled state's positions index the pooled order, so a loader without a pool must not
+    read them as its own shard's (it lost and repeated views: found in review), nor merge them."""
+    from odb_core.elastic import merge_states
+    from odb_core.errors import ResumeStateError
+
+    state = {"epoch": 1, "steps": 2, "consumed": [0, 1], "rank": 0, "world_size": 1, "seed": 0, "shared_tail": 0.2,
+             "order_world": 1, "total": 20, "shuffle": 1, "sampler_seed": 0}
+    plain = ODBDataLoader(ToyDataset(20), token_budget=64, rank=0, world_size=1)
+    for given in (state, [state]):
+        with pytest.raises(UnsupportedSettingError) as caught:
+            plain.load_state_dict(given)
+        assert (caught.value.field, caught.value.rank) == ("shared_tail", 0)
+    plain.close()
+    with pytest.raises(ResumeStateError) as merged:
+        merge_states([state])
+    assert (merged.value.field, tuple(merged.value.ranks)) == ("shared_tail", (0,))
+
+
+@pytest.mark.timeout(120)
+def test_an_epoch_start_state_of_a_pooled_loader_resumes_as_a_list_every_view_once():
+    """The list (elastic) form of an epoch-start state resumes a pooled loader over the whole
+    epoch, its pool cut anew (it used to wrap the sampler and refuse every later epoch)."""
+    n = 30
+    options = {"token_budget": 64, "collate_fn": pad_collate, "rank": 0, "world_size": 1, "num_workers": 0,
+               "shared_tail": 0.3}
+    first = ODBDataLoader(ToyDataset(n), **options)
+    first.set_epoch(1)
+    state = first.state_dict()
+    first.close()
+    loader = ODBDataLoader(ToyDataset(n), **options)
+    try:
+        loader.load_state_dict([state])
+        assert loader.epoch == 1
+        for epoch in (1, 2):
+            loader.set_epoch(epoch)
+            ids = [i for batch in loader for i in batch["idx"].tolist()]
+            assert sorted(ids) == list(range(n)), f"P4: epoch {epoch} must yield every view once"
+    finally:
+        loader.close()

@@ -5,9 +5,10 @@ loaded first (the ranks end with about equal work)."""
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from odb_core.sampler import epoch_views, tail_views
 from odb_core.tail import tail_claims
 
 ranks = st.integers(1, 12)
@@ -35,3 +36,18 @@ def test_the_light_rank_takes_the_pool_up_to_the_level():
     assert claims[1] > claims[0] and sum(claims) == 10
     # a seeded bug's symptom: handing out by rank order alone would give rank 0 everything
     assert claims != [10, 0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 300), st.integers(1, 9), st.floats(0, 0.99))
+def test_the_pool_and_the_own_shards_cover_the_order_and_count_as_epoch_views(n, world, fraction):
+    """P4 at the split: every view of the order is in the pool or in some rank's shard, the pool
+    the same on every rank, and epoch_views counts what an epoch serves (windows' LR totals)."""
+    order = list(range(n))
+    shares = [tail_views(order, world, r, fraction) for r in range(world)]
+    assert len({tuple(pool) for _, pool in shares}) == 1
+    pool = shares[0][1]
+    assert len(pool) == int(n * fraction)
+    assert set(pool).union(*(set(own) for own, _ in shares)) == set(order)
+    assert not set(pool) & set().union(*(set(own) for own, _ in shares))
+    assert sum(len(own) for own, _ in shares) + len(pool) == epoch_views(n, world, fraction)
