@@ -323,7 +323,7 @@ class CollateServer:
         ended = False
         plan = driver.on_headers(self._gather(driver.begin_round(), "header"))
         steps = driver.on_steps(self._gather_steps(plan.step_vector)) if plan.step_vector is not None else []
-        if driver.protocol is not None and len(driver.views) > self._scheduled:
+        if driver.pool and driver.protocol is not None and len(driver.views) > self._scheduled:
             self._claim_loads(driver)  # claimed pool views start loading now, while the batches train
         for item in steps:
             ended = self._deliver(driver, item, samples) or ended
@@ -347,7 +347,7 @@ class CollateServer:
             if not driver.needs_arrivals():
                 return
             chunk = next(loads, None)
-            if chunk is None and len(driver.views) > self._scheduled:  # the shared tail's claims
+            if chunk is None and driver.pool and len(driver.views) > self._scheduled:  # the shared tail's claims
                 loads = self._claim_loads(driver)
                 chunk = next(loads, None)
             if chunk is None:
