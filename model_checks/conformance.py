@@ -25,18 +25,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from model_checks.mutants import PACKED_MUTANTS, driver
+from model_checks.mutants import PACKED_MUTANTS, POOL_MUTANTS, driver
 from model_checks.tla import SPEC_DIR, TlcRun, sany, tlc
 from odb_core import ODBConfig, RankProtocol
 from odb_core.config import BUDGETS, OVERFLOW_POLICIES, TARGET_POLICIES
 from odb_core.epoch import EpochDriver
 from odb_core.quota import QuotaTracker
-from odb_core.sampler import permutation
+from odb_core.sampler import permutation, split_tail
 from odb_core.schedules import SCHEDULES, shard
 from odb_core.simulator import Cursor, gather_round, simulate
 
 Value = Any  # int | bool | str | tuple[Value, ...] | frozenset[Value]
-VARIABLES = ("next", "Q", "B", "E", "H", "consumed", "lastStep", "lastOut", "rounds", "done")
+VARIABLES = ("next", "Q", "B", "E", "H", "consumed", "lastStep", "lastOut", "rounds", "done", "pc", "claimed")
 
 
 # ---- scenarios and TLA+ text ----------------------------------------------------------
@@ -64,6 +64,8 @@ class Scenario:
     """(RegroupNum, RegroupDen): the core's ``regroup_padding`` as a fraction; (0, 0) is off."""
     budget_kind: str = "padded"
     """The core's ``budget`` (spec: ``BudgetKind``): "padded" or "packed"."""
+    pool: tuple[int, ...] = ()
+    """The shared tail's pool (its views' lengths; spec: ``Pool``): every rank claims from it (join)."""
     stream: bool = False
     """Each rank's views are a stream whose length the core learns only when a fetch reaches past
     it (``EpochDriver(stream=True)``; spec: ``StreamOn <- StreamsOn``, next = NV + 2 once known)."""
@@ -80,6 +82,7 @@ class Scenario:
             overflow_policy=self.overflow, target_policy=self.policy,  # type: ignore[arg-type]
             seed=self.seed, shuffle_steps=self.shuffle,
             regroup_padding=self.regroup[0] / self.regroup[1] if self.regroup[1] else None,
+            shared_tail=0.5 if self.pool else 0.0,  # the pool itself is given (_chain), not cut by the fraction
         )
 
     def constants(self) -> dict[str, Value]:
@@ -89,6 +92,7 @@ class Scenario:
             "Capacity": self.capacity, "JoinMode": self.join, "Quota": self.quota, "Overflow": self.overflow,
             "Policy": self.policy,
             "RegroupNum": self.regroup[0], "RegroupDen": self.regroup[1],
+            **({"Pool": self.pool} if self.pool else {}),
         }
 
 
@@ -185,6 +189,8 @@ def abstract(protos: list[RankProtocol], cursor: Cursor) -> tuple[Value, ...]:
         tuple(tuple(tuple(x + 1 for x in item) for item in out) for out in cursor.last_out),
         cursor.rounds,
         cursor.done,
+        cursor.pool_claimed,
+        tuple(tuple(j + 1 for j in claims) for claims in cursor.claims),
     )
 
 
@@ -193,6 +199,12 @@ def abstract(protos: list[RankProtocol], cursor: Cursor) -> tuple[Value, ...]:
 class _Node:
     drivers: list[EpochDriver]
     lengths: tuple[tuple[int, ...], ...]
+    pool: tuple[int, ...] = ()
+
+    def length(self, r: int, pos: int) -> int:
+        """The length of rank r's view at ``pos`` (its own, or a claimed pool view)."""
+        ident = self.drivers[r].views[pos]
+        return self.pool[ident - POOL_ID] if ident >= POOL_ID else self.lengths[r][ident]
 
     @property
     def protos(self) -> list[RankProtocol]:
@@ -207,15 +219,19 @@ def _initial(s: Scenario) -> _Node:
     """Every rank's epoch driver (the one the simulator and the collate process run) at Init."""
     cfg, world = s.config(), len(s.lengths)
     drivers = [driver(s.mutant)(cfg, r, world, quota=s.quota, stream=s.stream) for r in range(world)]
-    _chain(drivers, s.lengths)
-    return _Node(drivers, s.lengths)
+    _chain(drivers, s.lengths, s.pool)
+    return _Node(drivers, s.lengths, s.pool)
 
 
-def _chain(drivers: list[EpochDriver], lengths: tuple[tuple[int, ...], ...]) -> None:
+POOL_ID = 1 << 20
+"""Identity of pool view j in the enumeration: POOL_ID + j (a rank's own views are 0..NV-1)."""
+
+
+def _chain(drivers: list[EpochDriver], lengths: tuple[tuple[int, ...], ...], pool: tuple[int, ...] = ()) -> None:
     """Start the logical iteration each driver asks for, over the same views (the spec's shards)."""
     if drivers[0].sampler_epoch is not None:
         for d, ls in zip(drivers, lengths):
-            d.start_iteration(() if d.stream else list(range(len(ls))))
+            d.start_iteration(() if d.stream else list(range(len(ls))), [POOL_ID + j for j in range(len(pool))])
 
 
 def _copy(node: _Node) -> _Node:
@@ -229,20 +245,21 @@ def _successors(node: _Node) -> Iterable[_Node]:
         yield node  # Terminating
         return
     for r, p in enumerate(node.protos):
-        if (p.next_position < len(p.views) or not p.ended) and p.fetch_room() > 0:
+        if (p.next_position < len(p.views) or (p.streamed and not p.ended)) and p.fetch_room() > 0:
             nxt = _copy(node)
             d = nxt.drivers[r]
-            if any(s >= len(node.lengths[r]) for s in d.stream_positions(d.fetch())):
+            fetched = d.stream_positions(d.fetch())
+            if d.stream and any(s >= len(node.lengths[r]) for s in fetched):
                 d.end_stream(len(node.lengths[r]))  # a read past the stream's end reveals it
             yield nxt
     for r, p in enumerate(node.protos):
         for pos in sorted(p.in_flight):
             nxt = _copy(node)
-            nxt.drivers[r].arrive(pos, node.lengths[r][pos])
+            nxt.drivers[r].arrive(pos, node.length(r, pos))
             yield nxt
     nxt = _copy(node)
     gather_round(nxt.drivers)
-    _chain(nxt.drivers, nxt.lengths)  # non-join: the drivers chain the next logical iteration
+    _chain(nxt.drivers, nxt.lengths, nxt.pool)  # non-join: the drivers chain the next logical iteration
     yield nxt
 
 
@@ -334,6 +351,8 @@ STATE_SPACE_SCENARIOS = (  # in aligned order, so the core's state space equals 
     # regroup holds the packed pair (3, 4); the next buffer walks it first, so 5 does not split it
     Scenario("join_1_held_first", ((3, 9, 4, 5),), buffer_size=3, depth=4, policy="balanced", budget_kind="packed",
              shuffle=False),
+    # the shared tail (spec/MC.tla NV_2t, Pool_2t): the short rank runs out first and claims the pool
+    Scenario("join_2_pool", ((6, 7), (1, 2)), pool=(3, 1, 4, 2), policy="balanced", shuffle=False),
 )
 SHUFFLED_SCENARIOS = (  # shuffled steps: one seeded order per round, inside the spec's every order
     # 3 views per rank: 2,712 core states, 440 of them reached only by shuffling (17 s; the 4-view
@@ -441,6 +460,28 @@ def random_scenario(rng: random.Random, seed: int, mutant: str | None = None) ->
     return scenario, lengths, schedule
 
 
+def pooled_scenario(rng: random.Random, seed: int, mutant: str | None = None) -> tuple[Scenario, list[int], str]:
+    """A small random join-mode configuration with a shared tail (W = 2-3, 6-10 views, the last
+    half of them the pool: ``Scenario.config()``'s ``shared_tail`` 0.5): the scenario (the
+    per-rank lengths of the shards and the pool's lengths), the dataset lengths, the schedule."""
+    world = rng.randint(2, 3)
+    n = rng.randint(6, 10)
+    budget = rng.choice([4, 10, 16])
+    buffer_size = rng.randint(1, 3)
+    schedule = rng.choice(SCHEDULES)
+    lengths = [rng.choice([0, rng.randint(1, budget), rng.randint(1, 3 * budget + 1)]) for _ in range(n)]
+    own, pool = split_tail(permutation(n, seed, 0, shuffle=False), 0.5)  # Scenario.config()'s shared_tail
+    shards = shard(own, world, schedule, seed)
+    scenario = Scenario(
+        name="pooled", lengths=tuple(tuple(lengths[i] for i in views) for views in shards), budget=budget,
+        buffer_size=buffer_size, depth=buffer_size + rng.randint(0, 2), capacity=rng.choice([0, 0, 1, 2]),
+        overflow=rng.choice(OVERFLOW_POLICIES), policy=rng.choice(TARGET_POLICIES), mutant=mutant, seed=seed,
+        regroup=rng.choice([(0, 0), (1, 50), (1, 5)]), budget_kind=rng.choice(BUDGETS),
+        pool=tuple(lengths[i] for i in pool),
+    )
+    return scenario, lengths, schedule
+
+
 def trace_module(traces: list[Trace]) -> str:
     """The TraceData module of ``traces`` (moved to :func:`model_checks.traces.trace_module`)."""
     from model_checks import traces as tv
@@ -463,22 +504,27 @@ TRACEABLE_MUTANTS = ("no-cmin", "drop-overflow", "early-finish", "merge-overflow
 
 
 def clean_traces(count: int, seed: int = 0) -> list[Trace]:
-    """``count`` traces of the unmutated core on random small configurations."""
-    rng = random.Random(f"odb-traces:{seed}")
-    return [record(*random_scenario(rng, k)) for k in range(count)]
+    """``count`` traces of the unmutated core on random small configurations, the last eighth
+    (``count // 8``) of them with a shared tail (:func:`pooled_scenario`)."""
+    rng, pool_rng = random.Random(f"odb-traces:{seed}"), random.Random(f"odb-pooled-traces:{seed}")
+    pooled = count // 8
+    return ([record(*random_scenario(rng, k)) for k in range(count - pooled)]
+            + [record(*pooled_scenario(pool_rng, k)) for k in range(pooled)])
 
 
 def mutant_traces(per_mutant: int, seed: int = 0, tries: int = 4000) -> dict[str, list[Trace]]:
-    """Per traceable mutant, traces on which the mutation changed the behaviour
-    (the mutated run's trace differs from the clean run's on the same inputs)."""
+    """Per traceable mutant (the shared tail's on pooled configurations), traces on which the
+    mutation changed the behaviour (the mutated run's trace differs from the clean run's on
+    the same inputs)."""
     rng = random.Random(f"odb-mutant-traces:{seed}")
     out: dict[str, list[Trace]] = {}
-    for mutant in TRACEABLE_MUTANTS:
+    for mutant in (*TRACEABLE_MUTANTS, *POOL_MUTANTS):
+        draw = pooled_scenario if mutant in POOL_MUTANTS else random_scenario
         found: list[Trace] = []
         for k in range(tries):
             if len(found) == per_mutant:
                 break
-            scenario, data, schedule = random_scenario(rng, k, mutant)
+            scenario, data, schedule = draw(rng, k, mutant)
             bad = record(scenario, data, schedule)
             good = record(Scenario(**{**scenario.__dict__, "mutant": None}), data, schedule)
             if bad.states != good.states:

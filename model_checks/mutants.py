@@ -105,6 +105,28 @@ class RoundQuotaDriver(EpochDriver):
         return False
 
 
+class DoubleDealDriver(EpochDriver):
+    """T1 (shared tail): a rank's claim starts at the round's pool cursor, leaving out the views
+    the ranks before it claim in the same round: two ranks that claim in one round get the same
+    pool views, and as many are never dealt (breaks P4: each pool view to one rank, spec PoolOnce)."""
+
+    def _plan_claims(self, proto: RankProtocol) -> None:
+        cursor = self.pool_cursor
+        super()._plan_claims(proto)
+        self._claim = (cursor, self._claim[1])
+
+
+class DropLastClaimDriver(EpochDriver):
+    """T2 (shared tail): the claim that takes the pool's last view is never applied (the rank
+    closes the pool without it), so its views are never trained (breaks P4: JoinCoverage)."""
+
+    def _apply_claims(self, proto: RankProtocol) -> None:
+        start, count = self._claim
+        if count and start + count == len(self.pool):
+            self._claim = (0, 0)
+        super()._apply_claims(proto)
+
+
 def _with(name: str, protocol: type[RankProtocol]) -> type[EpochDriver]:
     """An epoch driver running ``protocol`` (named ``name`` in this module, so it pickles)."""
     return type(name, (EpochDriver,), {"protocol_cls": protocol, "__module__": __name__, "__doc__": protocol.__doc__})
@@ -131,13 +153,15 @@ MUTANTS: dict[str, type[EpochDriver]] = {
 PACKED_MUTANTS = ("pack-overfill",)
 #: mutants of the adapter's epoch loop, caught by replaying real-run traces
 ADAPTER_MUTANTS: dict[str, type[EpochDriver]] = {"local-quota": LocalQuotaDriver, "round-quota": RoundQuotaDriver}
+#: mutants of the shared tail's claims (join mode with a pool), caught by replaying pooled traces
+POOL_MUTANTS: dict[str, type[EpochDriver]] = {"double-deal": DoubleDealDriver, "drop-last-claim": DropLastClaimDriver}
 
 
 def driver(mutant: str | None) -> type[EpochDriver]:
     """The epoch driver class of ``mutant`` (the real one for None)."""
     if mutant is None:
         return EpochDriver
-    table = {**MUTANTS, **ADAPTER_MUTANTS}
+    table = {**MUTANTS, **ADAPTER_MUTANTS, **POOL_MUTANTS}
     if mutant not in table:
         raise ValueError(f"unknown mutant {mutant!r}; known: {sorted(table)}")
     return table[mutant]

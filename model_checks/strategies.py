@@ -53,24 +53,27 @@ def cases(
     budgets: tuple[str, ...] = BUDGETS,
 ) -> Case:
     """Random W in 1..16, N in 0..max_n (N < W included), token budgets and budget kinds
-    (padded, packed), buffers, depths, capacities, modes, policies and schedules."""
+    (padded, packed), buffers, depths, capacities, modes, policies, schedules and (join mode)
+    shared-tail pools."""
     world = draw(st.integers(1, 16))
     n = draw(st.one_of(st.integers(0, world + 1), st.integers(0, max_n)))
     budget = draw(st.sampled_from([1, 7, 64, 1000, 4096, 8192]))
     buffer_size = draw(st.one_of(st.integers(1, 8), st.integers(1, 300)))
     depth = buffer_size + draw(st.integers(0, 64))
+    mode = draw(st.sampled_from(modes))
     config = ODBConfig(
         token_budget=budget,
         budget=draw(st.sampled_from(budgets)),
         buffer_size=buffer_size,
         depth=depth,
-        mode=draw(st.sampled_from(modes)),
+        mode=mode,  # type: ignore[arg-type]
         loss_scaling=draw(st.sampled_from(["none", "sample", "approx", "exact"])),
         seed=draw(st.integers(0, 2**16)),
         target_policy=draw(st.sampled_from(TARGET_POLICIES)),
         overflow_policy=draw(st.sampled_from(OVERFLOW_POLICIES)),
         output_capacity=draw(st.integers(1, 16) if need_capacity else st.one_of(st.none(), st.integers(1, 16))),
         regroup_padding=draw(st.sampled_from([None, 0.0, 0.02, 0.1])),
+        shared_tail=draw(st.sampled_from([0.0, 0.0, 0.1, 0.5])) if mode == "join" else 0.0,
     )
     schedule = draw(st.sampled_from(SCHEDULES))
     if config.mode == "non-join" and schedule == "empty_rank" and world > 1:

@@ -45,7 +45,7 @@ from odb_core.config import BUDGETS, OVERFLOW_POLICIES, TARGET_POLICIES
 #: BRuleAdmissible is a property of the spec's own rule (checked by model checking),
 #: and the grouping check below compares the recorded grouping with that rule.
 INVARIANTS = ("TypeOK", "NoLeak", "DepthBound", "HeldOK", "Lockstep", "BudgetOK", "WithinCapacity",
-              "RoundBound", "JoinCoverage", "QuotaClosure")
+              "RoundBound", "JoinCoverage", "QuotaClosure", "PoolOnce")
 #: spec actions a trace step can name
 ACTIONS = ("Init", "Fetch", "Drain", "Gather")
 #: verdict reasons besides the invariant names
@@ -109,10 +109,8 @@ def _infer(a: tuple[Value, ...], b: tuple[Value, ...]) -> str:
     return "Gather"
 
 
-def shape_errors(trace: Trace) -> str | None:
-    """Why ``trace`` cannot be given to TLC (a value TLC could not evaluate the spec on:
-    a position outside a rank's views, a per-rank tuple of the wrong length, ...), or None."""
-    s = trace.scenario
+def _constant_errors(s: Scenario) -> str | None:
+    """Why the constants of ``s`` are no values TLC can evaluate the spec on, or None."""
     try:
         consts = s.constants()
     except Exception as exc:  # noqa: BLE001 - a malformed scenario is reported, not raised
@@ -133,6 +131,23 @@ def shape_errors(trace: Trace) -> str | None:
         return f"unknown overflow or target policy ({consts['Overflow']!r}, {consts['Policy']!r})"
     if consts["BudgetKind"] not in BUDGETS:
         return f"unknown budget {consts['BudgetKind']!r}"
+    pool = consts.get("Pool", ())
+    if not (isinstance(pool, tuple) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pool)):
+        return "Pool must hold the pool views' lengths >= 0"
+    if pool and s.stream:
+        return "a stream has no shared tail (Pool with streams)"
+    return None
+
+
+def shape_errors(trace: Trace) -> str | None:
+    """Why ``trace`` cannot be given to TLC (a value TLC could not evaluate the spec on:
+    a position outside a rank's views, a per-rank tuple of the wrong length, ...), or None."""
+    s = trace.scenario
+    err = _constant_errors(s)
+    if err:
+        return err
+    consts = s.constants()
+    world, nv, pool = consts["W"], consts["NV"], consts.get("Pool", ())
     if not trace.states:
         return "no states"
     if len(trace.packs) != len(trace.states):
@@ -141,17 +156,23 @@ def shape_errors(trace: Trace) -> str | None:
     if len(acts) != len(trace.states) or acts[0] != "Init" or not set(acts[1:]) <= set(ACTIONS[1:]):
         return f"actions must be Init then Fetch/Drain/Gather, one per state (got {len(acts)} for {len(trace.states)})"
 
+    views = list(nv)  # a rank's views in the current state: its own and the pool views it claimed
+
     def positions(r: int, xs: Iterable[Value]) -> bool:
-        return all(isinstance(p, int) and not isinstance(p, bool) and 1 <= p <= nv[r] for p in xs)
+        return all(isinstance(p, int) and not isinstance(p, bool) and 1 <= p <= views[r] for p in xs)
 
     for j, st in enumerate(trace.states):
         where = f"state {j}"
         if len(st) != len(VARIABLES):
             return f"{where}: {len(st)} variables"
-        nxt, q, b, e, h, consumed, last_step, last_out, rounds, done = st
-        per_rank = (nxt, q, b, e, h, last_out)
+        nxt, q, b, e, h, consumed, last_step, last_out, rounds, done, pc, claimed = st
+        per_rank = (nxt, q, b, e, h, last_out, claimed)
         if not all(isinstance(x, tuple) and len(x) == world for x in per_rank):
-            return f"{where}: next/Q/B/E/H/lastOut need one entry per rank"
+            return f"{where}: next/Q/B/E/H/lastOut/claimed need one entry per rank"
+        err = _pool_state_errors(pc, claimed, len(pool))
+        if err:
+            return f"{where}: {err}"
+        views = [n + len(c) for n, c in zip(nv, claimed)]
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in (*nxt, consumed, last_step, rounds)):
             return f"{where}: next/consumed/lastStep/rounds must be integers"
         if not isinstance(done, bool):
@@ -161,16 +182,29 @@ def shape_errors(trace: Trace) -> str | None:
                     and isinstance(b[r], tuple) and isinstance(last_out[r], tuple)):
                 return f"{where}: rank {r + 1}: Q, E, H are sets, B and lastOut sequences"
             if not (positions(r, q[r]) and positions(r, b[r]) and positions(r, e[r]) and positions(r, h[r])):
-                return f"{where}: rank {r + 1}: a position outside 1..{nv[r]}"
+                return f"{where}: rank {r + 1}: a position outside 1..{views[r]}"
             if not all(isinstance(item, tuple) and positions(r, item) for item in last_out[r]):
-                return f"{where}: rank {r + 1}: lastOut holds a position outside 1..{nv[r]}"
+                return f"{where}: rank {r + 1}: lastOut holds a position outside 1..{views[r]}"
         pack = trace.packs[j]
         if not (isinstance(pack, tuple) and len(pack) == world):
             return f"{where}: the grouping needs one entry per rank"
         for r in range(world):
             if not (isinstance(pack[r], tuple)
                     and all(isinstance(g, tuple) and positions(r, g) for g in pack[r])):
-                return f"{where}: rank {r + 1}: the grouping holds a position outside 1..{nv[r]}"
+                return f"{where}: rank {r + 1}: the grouping holds a position outside 1..{views[r]}"
+    return None
+
+
+def _pool_state_errors(pc: Value, claimed: tuple[Value, ...], size: int) -> str | None:
+    """Why ``pc`` and ``claimed`` (the shared tail's variables) are no values TLC can evaluate
+    the spec on with a pool of ``size`` views, or None (pool indices 1..size; a pc past the
+    pool is left to TypeOK, a view claimed twice to PoolOnce)."""
+    if not (isinstance(pc, int) and not isinstance(pc, bool) and pc >= 0):
+        return f"pc = {pc!r} must be an integer >= 0"
+    for r, c in enumerate(claimed):
+        if not (isinstance(c, tuple) and all(isinstance(j, int) and not isinstance(j, bool) and 1 <= j <= size
+                                             for j in c)):
+            return f"rank {r + 1}: claimed must be a sequence of pool indices in 1..{size}"
     return None
 
 
@@ -206,11 +240,13 @@ def trace_module(traces: Sequence[Trace]) -> str:
         acts = to_tla(tuple(actions_of(tr)))
         rows.append(f"[cfg |-> {cfg}, complete |-> {to_tla(tr.complete)}, acts |-> {acts},\n"
                     f" states |-> <<{states}>>,\n packs |-> <<{packs}>>]")
-        subst = ", ".join(f"{c} <- Traces[{k}].cfg.{c}" for c in names)
+        pooled = bool(tr.scenario.pool)
+        subst = ", ".join(f"{c} <- Traces[{k}].cfg.{c}" for c in (*names, *(("Pool",) if pooled else ())))
         o = f"O_{k}"
         fails = " \\o ".join(f'Fails({o}!{inv}, "{inv}")' for inv in INVARIANTS[1:])
+        module = "ODBStream" if tr.scenario.stream else "ODBPool" if pooled else "ODB"
         defs.append(
-            f"{o} == INSTANCE {'ODBStream' if tr.scenario.stream else 'ODB'} WITH {subst}\n"
+            f"{o} == INSTANCE {module} WITH {subst}\n"
             f"Replay_{k}(a, P) ==\n"
             f"    CASE a = \"Fetch\" -> \\E r \\in {o}!Ranks : {o}!Fetch(r)\n"
             f"      [] a = \"Drain\" -> \\E r \\in {o}!Ranks : \\E p \\in Q[r] : {o}!Drain(r, p)\n"
@@ -233,6 +269,16 @@ def trace_module(traces: Sequence[Trace]) -> str:
     )
 
 
+def pool_module() -> str:
+    """ODB with the shared tail's ``Pool`` a constant, as module ODBPool: trace instances of
+    pooled runs substitute each trace's pool (spec/ODB.tla defines ``Pool == <<>>``, which a
+    .cfg overrides, but INSTANCE substitutes constants only)."""
+    text = (SPEC_DIR / "ODB.tla").read_text()
+    if text.count("\nPool == <<>>\n") != 1:
+        raise RuntimeError("spec/ODB.tla: expected one 'Pool == <<>>' definition")
+    return text.replace("MODULE ODB ", "MODULE ODBPool ", 1).replace("\nPool == <<>>\n", "\nCONSTANT Pool\n")
+
+
 def stream_module() -> str:
     """ODB with streams on (``StreamOn == TRUE``), as module ODBStream: trace instances of
     streamed runs (INSTANCE substitutes constants only, not definitions)."""
@@ -253,6 +299,7 @@ def _run_batch(traces: Sequence[Trace]) -> dict[int, tuple[int, tuple[str, ...]]
         shutil.copy(SPEC_DIR / "ODB.tla", tmp / "ODB.tla")
         shutil.copy(SPEC_DIR / "TraceCheck.tla", tmp / "TraceCheck.tla")
         (tmp / "ODBStream.tla").write_text(stream_module())
+        (tmp / "ODBPool.tla").write_text(pool_module())
         (tmp / "TraceData.tla").write_text(trace_module(traces))
         (tmp / "TraceCheck.cfg").write_text("INIT Init\nNEXT Next\n")
         # no separate SANY run: TLC parses the modules itself (about half of a batch's time
@@ -277,11 +324,12 @@ def _brule_detail(trace: Trace, j: int) -> str:
     from odb_core.budgets import BUFFER_RULES
 
     before, pack = trace.states[j - 1], trace.packs[j]
-    lengths, kind = trace.scenario.lengths, trace.scenario.budget_kind
+    kind = trace.scenario.budget_kind
     parts = []
     for r, groups in enumerate(pack):
         buf, held = before[_IX["B"]][r], {p - 1 for p in before[_IX["H"]][r]}
-        rule = tuple(tuple(p + 1 for p in g) for g in BUFFER_RULES[kind]({p - 1: lengths[r][p - 1] for p in buf},
+        lengths = {p - 1: _length_of(trace.scenario, before, r, p) for p in buf}
+        rule = tuple(tuple(p + 1 for p in g) for g in BUFFER_RULES[kind](lengths,
                                                                          trace.scenario.budget, held)) if buf else ()
         if groups and groups != rule:
             name = "the packing" if kind == "packed" else "B(l)"
@@ -328,17 +376,29 @@ def check_traces(traces: Sequence[Trace]) -> tuple[set[int], set[int]]:
 #: split (a ready rank had fewer groups, held ones included, than T), overflow (a ready
 #: rank kept more groups than T), hold (a ready rank's H is non-empty after), skip
 #: (T = 0, the iteration not ended), chain (a non-join iteration ended and the next
-#: began) and end (the epoch is over after it).
-COVERAGE_KINDS = ("fetch", "drain", "gather", "split", "overflow", "hold", "skip", "chain", "end")
+#: began), end (the epoch is over after it) and claim (ranks claimed shared-tail pool views).
+COVERAGE_KINDS = ("fetch", "drain", "gather", "split", "overflow", "hold", "skip", "chain", "end", "claim")
+
+
+def _length_of(s: Scenario, st: tuple[Value, ...], r: int, p: int) -> int:
+    """The spec's LenOf(r, p) in state ``st`` (0-based rank, 1-based position): the length of
+    one of the rank's own views, or of the pool view it claimed at that position."""
+    own = s.lengths[r]
+    return own[p - 1] if p <= len(own) else s.pool[st[_IX["claimed"]][r][p - len(own) - 1] - 1]
 
 
 def _status(s: Scenario, st: tuple[Value, ...], r: int) -> str:
     """The spec's Status(r) in state ``st`` (0-based rank)."""
     nxt, q, b, h = st[_IX["next"]][r], st[_IX["Q"]][r], st[_IX["B"]][r], st[_IX["H"]][r]
-    drained = nxt > len(s.lengths[r]) and not q
+    views = len(s.lengths[r]) + len(st[_IX["claimed"]][r])
+    pool_open = st[_IX["pc"]] < len(s.pool)
+    drained = nxt > views and not q and not pool_open
+    dry = pool_open and nxt > views and not q  # spec: PoolDry
     if drained and not b:
         return "finished"
-    if b and (len(b) - len(h) >= s.buffer_size or drained):
+    if not b and dry:
+        return "idle"
+    if b and (len(b) - len(h) >= s.buffer_size or drained or dry):
         return "ready"
     return "waiting"
 
@@ -356,6 +416,8 @@ def coverage(trace: Trace) -> Counter[str]:
             out[act.lower()] += 1
             continue
         out["gather"] += 1
+        if after[_IX["pc"]] > before[_IX["pc"]]:
+            out["claim"] += 1
         st = [_status(s, before, r) for r in range(world)]
         ended = all(x == "finished" for x in st) if s.join else any(x == "finished" for x in st)
         if after[_IX["done"]] and not before[_IX["done"]]:
@@ -420,41 +482,155 @@ SHARED_GATHER_FIELDS = ("round", "target", "ended", "consumed", "last_step", "do
 _LOCAL = ("iteration", "fetch", "arrive", "stream_end")
 
 
-def _split_rank(r: int, log: Sequence[Mapping[str, Any]]) -> tuple[list[list[Mapping[str, Any]]],
-                                                                   list[Mapping[str, Any]], bool]:
-    """A rank's events after ``begin``: the local events before each gather (one more list
-    than gathers: the events after the last one), the gathers, and whether it ended."""
-    segments: list[list[Mapping[str, Any]]] = [[]]
-    gathers: list[Mapping[str, Any]] = []
-    ended = False
+Events = list[Mapping[str, Any]]
+
+
+@dataclass
+class _RankLog:
+    """A rank's events after ``begin``, split at its gathers."""
+
+    segments: list[Events]
+    """The local events before each gather (one more list than gathers: those after the last)."""
+    gathers: Events
+    claims: list[Events]
+    """Per gather, the shared tail's claims applied at it (after its emission: odb_core's
+    ``_apply_claims``): logged just before the gather event of an emitting round, just after
+    that of a skip round; each names its gather by ``round``."""
+    ended: bool
+
+
+def _split_rank(r: int, log: Sequence[Mapping[str, Any]]) -> _RankLog:
+    """A rank's events after ``begin``: local events, gathers, claims per gather, whether it ended."""
+    out = _RankLog([[]], [], [], False)
+    pending: Events = []  # claims of the gather to come (an emitting round's)
     for n, ev in enumerate(log[1:], start=1):
         kind = ev.get("ev")
-        if ended:
+        if out.ended:
             raise MergeError(f"rank {r}: event {n} ({kind!r}) after 'end'")
         if kind == "gather":
-            gathers.append(ev)
-            segments.append([])
+            late = [c.get("round") for c in pending if c.get("round") != ev.get("round")]
+            if late:
+                raise MergeError(f"rank {r}: event {n}: a claim of round {late[0]!r} before the gather of round "
+                                 f"{ev.get('round')!r}")
+            out.gathers.append(ev)
+            out.claims.append(pending)
+            out.segments.append([])
+            pending = []
+        elif kind == "claim":
+            last = out.gathers[-1] if out.gathers else None
+            if last is not None and not out.segments[-1] and last.get("round") == ev.get("round"):
+                out.claims[-1].append(ev)  # a skip round's claim, logged after its gather
+            else:
+                pending.append(ev)
         elif kind in _LOCAL:
-            segments[-1].append(ev)
+            out.segments[-1].append(ev)
         elif kind == "end":
-            ended = True
+            out.ended = True
         else:
             raise MergeError(f"rank {r}: event {n} has unknown kind {kind!r}")
-    return segments, gathers, ended
+    return out  # claims still pending belong to a gather the run was cut before
+
+
+def _claim_range(r: int, ev: Mapping[str, Any], pool: int) -> range:
+    """The 0-based pool indices a claim event names (a :class:`MergeError` if outside the pool)."""
+    first, count = ev.get("first"), ev.get("count")
+    if not (isinstance(first, int) and isinstance(count, int) and first >= 0 and count >= 1 and first + count <= pool):
+        raise MergeError(f"rank {r}: a claim of {count!r} pool views from {first!r}, outside the pool's "
+                         f"{pool} views")
+    return range(first, first + count)
+
+
+@dataclass
+class _Lengths:
+    """What the events say about lengths: per position of each rank's own views and per pool
+    view, the length and the logical iteration it arrived in."""
+
+    own: list[dict[int, tuple[int, int]]]
+    pool: dict[int, tuple[int, int]]
+
+    def add(self, r: int, key: int, length: int, iteration: int, pool_view: bool) -> None:
+        table = self.pool if pool_view else self.own[r]
+        seen = table.get(key)
+        if seen is not None and seen[0] != length and pool_view:
+            raise MergeError(f"rank {r} pool view {key}: length {length}, where it arrived earlier with {seen[0]}")
+        if seen is not None and seen[0] != length:
+            raise MergeError(
+                f"rank {r} position {key}: length {seen[0]} in iteration {seen[1]}, {length} in iteration "
+                f"{iteration}; the spec's Length is fixed across iterations (trace non-join runs "
+                "with an unshuffled sampler)")
+        table.setdefault(key, (length, iteration))
+
+
+def _scan_rank(r: int, log: _RankLog, n_gathers: int, nv: int, stream: bool, pool: int, lengths: _Lengths) -> None:
+    """Check rank r's fetched and arrived positions (its own views, then the pool views it
+    claimed, in claim order) and note their lengths."""
+    claimed: list[int] = []
+    iteration = 0
+    for g, seg in enumerate(log.segments[: n_gathers + 1]):
+        views = nv + len(claimed)
+        for ev in seg:
+            if ev["ev"] == "iteration":
+                iteration = int(ev["iteration"])
+            elif ev["ev"] == "fetch":
+                bad = [p for p in ev["positions"] if not 0 <= p < views and not stream]
+                if bad:
+                    raise MergeError(f"rank {r}: fetched positions {bad} outside 0..{views - 1}")
+            elif ev["ev"] == "arrive":
+                p, length = int(ev["pos"]), int(ev["length"])
+                if not 0 <= p < views:
+                    raise MergeError(f"rank {r}: position {p} arrived, outside 0..{views - 1}")
+                pooled = p >= nv
+                lengths.add(r, claimed[p - nv] if pooled else p, length, iteration, pooled)
+        if g < n_gathers:
+            for ev in log.claims[g]:
+                claimed.extend(_claim_range(r, ev, pool))
 
 
 def merge(logs: Sequence[Sequence[Mapping[str, Any]]], name: str = "run") -> Trace:
     """One run's per-rank event logs (``EpochDriver(trace=...)``, see :mod:`odb_core.epoch`)
     as a spec trace: Init, then for each gather the local events (fetch, arrive) of every
-    rank since the previous gather, rank by rank, each one spec step, then the gather step.
+    rank since the previous gather, rank by rank, each one spec step, then the gather step
+    (which, with a shared tail, also applies the round's claims: spec ``ClaimWith``).
 
     Raises :class:`MergeError` if the ranks disagree (world, configuration, quota, the
-    number of gathers, a gather's shared fields), an event is malformed, or a position's
+    number of gathers, a gather's shared fields, the pool's size), an event is malformed
+    (a position outside the rank's views, a claim outside the pool), or a position's
     length differs between chained non-join iterations (the spec's Length is fixed: trace
     non-join runs with an unshuffled sampler). The trace is incomplete (``complete`` False:
     its last state need not be done) when some rank has no ``end`` event, unless the epoch
     was over before it began (quota 0); such a run is cut at the fewest gathers any rank
     reached."""
+    first, split = _split_logs(logs)
+    world = len(split)
+    complete = all(x.ended for x in split)
+    counts = [len(x.gathers) for x in split]
+    if complete and len(set(counts)) > 1:
+        r = next(r for r in range(world) if counts[r] != counts[0])
+        raise MergeError(f"rank {r} has {counts[r]} gathers, rank 0 has {counts[0]}")
+    n_gathers = min(counts)
+    for g in range(n_gathers):
+        for r in range(1, world):
+            for key in SHARED_GATHER_FIELDS:
+                if split[r].gathers[g].get(key) != split[0].gathers[g].get(key):
+                    raise MergeError(f"gather {g}: rank {r} reports {key} = {split[r].gathers[g].get(key)!r}, "
+                                     f"rank 0 {split[0].gathers[g].get(key)!r}")
+    scenario, stream_ranks = _merged_scenario(first, split, n_gathers, name)
+    quota = int(first.get("quota") or 0)
+    run = _Behaviour(scenario, stream_ranks, done=not scenario.join and quota == 0)
+    if run.done and all(c == 0 for c in counts):
+        complete = True  # the epoch was over before it began: nothing to end
+    for g in range(n_gathers + 1):
+        for r in range(world):
+            for ev in split[r].segments[g]:
+                run.local(r, ev)
+        if g < n_gathers:
+            run.gather([x.gathers[g] for x in split], [x.claims[g] for x in split])
+    return Trace(scenario, name, run.states, run.packs, run.actions, complete)
+
+
+def _split_logs(logs: Sequence[Sequence[Mapping[str, Any]]]) -> tuple[Mapping[str, Any], list[_RankLog]]:
+    """Rank 0's ``begin`` event and every rank's split log, in rank order (a :class:`MergeError`
+    if the logs are not one world's, or the ranks begin differently)."""
     if not logs:
         raise MergeError("no rank logs")
     by_rank: dict[int, Sequence[Mapping[str, Any]]] = {}
@@ -476,111 +652,102 @@ def merge(logs: Sequence[Sequence[Mapping[str, Any]]], name: str = "run") -> Tra
                 raise MergeError(f"rank {r} begins with {key} = {begin.get(key)!r}, rank 0 with {first.get(key)!r}")
     if first.get("world") != world:
         raise MergeError(f"{world} rank logs for a world of {first.get('world')}")
-    cfg = first["config"]
-    join = cfg["mode"] == "join"
-    quota = int(first.get("quota") or 0)
+    return first, [_split_rank(r, by_rank[r]) for r in range(world)]
 
-    split = [_split_rank(r, by_rank[r]) for r in range(world)]
-    complete = all(ended for _, _, ended in split)
-    counts = [len(g) for _, g, _ in split]
-    if complete and len(set(counts)) > 1:
-        r = next(r for r in range(world) if counts[r] != counts[0])
-        raise MergeError(f"rank {r} has {counts[r]} gathers, rank 0 has {counts[0]}")
-    n_gathers = min(counts)
-    for g in range(n_gathers):
-        for r in range(1, world):
-            for key in SHARED_GATHER_FIELDS:
-                if split[r][1][g].get(key) != split[0][1][g].get(key):
-                    raise MergeError(f"gather {g}: rank {r} reports {key} = {split[r][1][g].get(key)!r}, "
-                                     f"rank 0 {split[0][1][g].get(key)!r}")
 
-    # the constants: views per rank (fixed across iterations) and lengths (from arrivals)
+def _merged_scenario(first: Mapping[str, Any], split: list[_RankLog], n_gathers: int,
+                     name: str) -> tuple[Scenario, set[int]]:
+    """The run's constants (views per rank, fixed across iterations; lengths from arrivals,
+    1 for views that never arrived, which the spec never reads; the pool's size from the
+    ``iteration`` events) and its stream ranks."""
+    world = len(split)
     nv: list[int] = []
     stream_ranks: set[int] = set()
-    lengths: list[dict[int, tuple[int, int]]] = [{} for _ in range(world)]
+    lengths = _Lengths([{} for _ in range(world)], {})
+    pools: list[set[int]] = []  # per rank, the pool sizes its iterations name
     for r in range(world):
-        segments = split[r][0][: n_gathers + 1]
-        views = {int(ev["views"]) for seg in segments for ev in seg if ev["ev"] == "iteration"}
+        segments = split[r].segments[: n_gathers + 1]
+        starts = [ev for seg in segments for ev in seg if ev["ev"] == "iteration"]
+        views = {int(ev["views"]) for ev in starts}
         if len(views) > 1:
             raise MergeError(f"rank {r}: logical iterations over {sorted(views)} views; the spec's NV is fixed")
+        pools.append({int(ev.get("pool") or 0) for ev in starts})
         nv.append(views.pop() if views else 0)
         if nv[r] < 0:  # a stream: NV is where it ended (or what was fetched, in a run cut before)
             ends = [int(ev["pos"]) for seg in segments for ev in seg if ev["ev"] == "stream_end"]
             fetched = [p for seg in segments for ev in seg if ev["ev"] == "fetch" for p in ev["positions"]]
             nv[r] = ends[0] if ends else max(fetched, default=-1) + 1
             stream_ranks.add(r)
-        iteration = 0
-        for seg in segments:
-            for ev in seg:
-                if ev["ev"] == "iteration":
-                    iteration = int(ev["iteration"])
-                elif ev["ev"] == "fetch":
-                    bad = [p for p in ev["positions"] if not 0 <= p < nv[r] and r not in stream_ranks]
-                    if bad:
-                        raise MergeError(f"rank {r}: fetched positions {bad} outside 0..{nv[r] - 1}")
-                elif ev["ev"] == "arrive":
-                    p, length = int(ev["pos"]), int(ev["length"])
-                    if not 0 <= p < nv[r]:
-                        raise MergeError(f"rank {r}: position {p} arrived, outside 0..{nv[r] - 1}")
-                    seen = lengths[r].get(p)
-                    if seen is not None and seen[0] != length:
-                        raise MergeError(
-                            f"rank {r} position {p}: length {seen[0]} in iteration {seen[1]}, {length} in iteration "
-                            f"{iteration}; the spec's Length is fixed across iterations (trace non-join runs "
-                            "with an unshuffled sampler)")
-                    lengths[r].setdefault(p, (length, iteration))
+    for r in range(world):
+        if len(pools[r]) > 1 or pools[r] != pools[0]:
+            raise MergeError(f"rank {r}: shared-tail pools of {sorted(pools[r])} views, rank 0: {sorted(pools[0])}")
+    pool = max(pools[0], default=0)
+    for r in range(world):
+        _scan_rank(r, split[r], n_gathers, nv[r], r in stream_ranks, pool, lengths)
+    cfg = first["config"]
+    join = cfg["mode"] == "join"
     regroup = cfg.get("regroup") or [0, 0]
     scenario = Scenario(
-        name=name, lengths=tuple(tuple(lengths[r].get(p, (1, 0))[0] for p in range(nv[r])) for r in range(world)),
+        name=name, lengths=tuple(tuple(lengths.own[r].get(p, (1, 0))[0] for p in range(nv[r])) for r in range(world)),
         budget=int(cfg["token_budget"]), buffer_size=int(cfg["buffer_size"]), depth=int(cfg["depth"]),
         capacity=int(cfg.get("output_capacity") or 0), join=join, overflow=str(cfg["overflow_policy"]),
-        policy=str(cfg["target_policy"]), dataset_size=None if join else quota,
+        policy=str(cfg["target_policy"]), dataset_size=None if join else int(first.get("quota") or 0),
         regroup=(int(regroup[0]), int(regroup[1])), budget_kind=str(cfg.get("budget", "padded")),
-        stream=bool(stream_ranks),
+        pool=tuple(lengths.pool.get(j, (1, 0))[0] for j in range(pool)), stream=bool(stream_ranks),
     )
+    return scenario, stream_ranks
 
-    # the behaviour
-    nxt = [1] * world
-    q: list[set[int]] = [set() for _ in range(world)]
-    b: list[list[int]] = [[] for _ in range(world)]
-    e: list[set[int]] = [set() for _ in range(world)]
-    h: list[set[int]] = [set() for _ in range(world)]
-    last_out: list[tuple[tuple[int, ...], ...]] = [() for _ in range(world)]
-    consumed = last_step = rounds = 0
-    done = not join and quota == 0
-    if done and all(c == 0 for c in counts):
-        complete = True  # the epoch was over before it began: nothing to end
-    states: list[tuple[Value, ...]] = []
-    packs: list[tuple[Value, ...]] = []
-    actions: list[str] = []
-    empty: tuple[Value, ...] = tuple(() for _ in range(world))
 
-    def push(action: str, pack: tuple[Value, ...] = empty) -> None:
-        states.append((tuple(nxt), tuple(frozenset(x) for x in q), tuple(tuple(x) for x in b),
-                       tuple(frozenset(x) for x in e), tuple(frozenset(x) for x in h), consumed, last_step,
-                       tuple(last_out), rounds, done))
-        packs.append(pack)
-        actions.append(action)
+class _Behaviour:
+    """The spec's variables along a merged run, and the states, groupings and actions so far."""
 
-    push("Init")
-    for g in range(n_gathers + 1):
-        for r in range(world):
-            for ev in split[r][0][g]:
-                if ev["ev"] == "fetch":
-                    if not ev["positions"]:
-                        continue
-                    q[r].update(p + 1 for p in ev["positions"] if p < nv[r])
-                    nxt[r] = max(nxt[r], max(ev["positions"]) + 2)
-                    if r in stream_ranks and max(ev["positions"]) >= nv[r]:
-                        nxt[r] = nv[r] + 2  # the fetch reached past the stream's end (spec: the end is known)
-                    push("Fetch")
-                elif ev["ev"] == "arrive":
-                    q[r].discard(int(ev["pos"]) + 1)
-                    b[r].append(int(ev["pos"]) + 1)
-                    push("Drain")
-        if g == n_gathers:
-            break
-        recs = [split[r][1][g] for r in range(world)]
+    def __init__(self, s: Scenario, stream_ranks: set[int], done: bool) -> None:
+        world = len(s.lengths)
+        self.nv, self.stream_ranks, self.world = [len(ls) for ls in s.lengths], stream_ranks, world
+        self.next = [1] * world
+        self.q: list[set[int]] = [set() for _ in range(world)]
+        self.b: list[list[int]] = [[] for _ in range(world)]
+        self.e: list[set[int]] = [set() for _ in range(world)]
+        self.h: list[set[int]] = [set() for _ in range(world)]
+        self.last_out: list[tuple[tuple[int, ...], ...]] = [() for _ in range(world)]
+        self.consumed = self.last_step = self.rounds = 0
+        self.done = done
+        self.pc = 0
+        self.claimed: list[list[int]] = [[] for _ in range(world)]
+        self.pool = len(s.pool)
+        self.states: list[tuple[Value, ...]] = []
+        self.packs: list[tuple[Value, ...]] = []
+        self.actions: list[str] = []
+        self.push("Init")
+
+    def push(self, action: str, pack: tuple[Value, ...] | None = None) -> None:
+        self.states.append((
+            tuple(self.next), tuple(frozenset(x) for x in self.q), tuple(tuple(x) for x in self.b),
+            tuple(frozenset(x) for x in self.e), tuple(frozenset(x) for x in self.h), self.consumed,
+            self.last_step, tuple(self.last_out), self.rounds, self.done, self.pc,
+            tuple(tuple(c) for c in self.claimed)))
+        self.packs.append(tuple(() for _ in range(self.world)) if pack is None else pack)
+        self.actions.append(action)
+
+    def local(self, r: int, ev: Mapping[str, Any]) -> None:
+        """A fetch or an arrival of rank r: one spec step (Fetch, Drain); other events none."""
+        if ev["ev"] == "fetch":
+            if not ev["positions"]:
+                return
+            stream = r in self.stream_ranks
+            self.q[r].update(p + 1 for p in ev["positions"] if p < self.nv[r] or not stream)
+            self.next[r] = max(self.next[r], max(ev["positions"]) + 2)
+            if stream and max(ev["positions"]) >= self.nv[r]:
+                self.next[r] = self.nv[r] + 2  # the fetch reached past the stream's end (spec: the end is known)
+            self.push("Fetch")
+        elif ev["ev"] == "arrive":
+            self.q[r].discard(int(ev["pos"]) + 1)
+            self.b[r].append(int(ev["pos"]) + 1)
+            self.push("Drain")
+
+    def gather(self, recs: Sequence[Mapping[str, Any]], claims: Sequence[Events]) -> None:
+        """One gather (every rank's record of it) and the claims applied at it: one spec step."""
+        world = self.world
         target, ended, done_after = int(recs[0]["target"]), bool(recs[0]["ended"]), bool(recs[0]["done"])
         pack = tuple(tuple(tuple(p + 1 for p in grp) for grp in rec.get("grouping") or []) for rec in recs)
         emitting = target > 0 and not (ended and not any(rec.get("out") for rec in recs))
@@ -588,23 +755,27 @@ def merge(logs: Sequence[Sequence[Mapping[str, Any]]], name: str = "run") -> Tra
             for r, rec in enumerate(recs):
                 items = tuple(tuple(p + 1 for p in item) for item in rec.get("out") or [])
                 gone = {p for item in items for p in item}
-                last_out[r] = items
-                b[r] = [p for p in b[r] if p not in gone]
-                e[r] |= gone
-                h[r] = {p + 1 for p in rec.get("held") or []}
-            rounds += 1
+                self.last_out[r] = items
+                self.b[r] = [p for p in self.b[r] if p not in gone]
+                self.e[r] |= gone
+                self.h[r] = {p + 1 for p in rec.get("held") or []}
+            self.rounds += 1
         elif ended and not done_after:  # non-join: the trainer chains the next logical iteration
-            nxt, rounds = [1] * world, 0
-            q, b, e, h = ([set() for _ in range(world)], [[] for _ in range(world)], [set() for _ in range(world)],
-                          [set() for _ in range(world)])
-            last_out = [() for _ in range(world)]
+            self.next, self.rounds = [1] * world, 0
+            self.q, self.b = [set() for _ in range(world)], [[] for _ in range(world)]
+            self.e, self.h = [set() for _ in range(world)], [set() for _ in range(world)]
+            self.last_out = [() for _ in range(world)]
         else:  # a skip round, or the end of the epoch
-            last_out = [() for _ in range(world)]
+            self.last_out = [() for _ in range(world)]
             for r, rec in enumerate(recs):
-                h[r] = {p + 1 for p in rec.get("held") or []}
-        consumed, last_step, done = int(recs[0]["consumed"]), int(recs[0]["last_step"]), done_after
-        push("Gather", pack)
-    return Trace(scenario, name, states, packs, actions, complete)
+                self.h[r] = {p + 1 for p in rec.get("held") or []}
+        for r, evs in enumerate(claims):  # the shared tail: claimed pool views join R (spec: ClaimWith)
+            for ev in evs:
+                got = _claim_range(r, ev, self.pool)
+                self.claimed[r].extend(j + 1 for j in got)
+                self.pc += len(got)
+        self.consumed, self.last_step, self.done = int(recs[0]["consumed"]), int(recs[0]["last_step"]), done_after
+        self.push("Gather", pack)
 
 
 def read_logs(directory: str | Path) -> list[tuple[str, list[list[dict[str, Any]]]]]:

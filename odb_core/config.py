@@ -90,6 +90,10 @@ class ODBConfig(BaseModel):
             seeds 0-2, measured before regroup landed: mean final loss 5.656 against 5.702
             with one order for all ranks).
             The spec admits every order (``Orders`` in spec/ODB.tla).
+        shared_tail: the fraction f of each epoch's sampler order kept out of the shards as a
+            pool the ranks claim from as their own views run out, the ranks with the least
+            work left first (:mod:`odb_core.tail`; join mode, views given as lists). 0 (the
+            default): no pool, every view on its shard's rank.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -106,6 +110,7 @@ class ODBConfig(BaseModel):
     output_capacity: int | None = Field(default=None, ge=1)
     regroup_padding: float | None = Field(default=0.02, ge=0, lt=1)
     shuffle_steps: bool = True
+    shared_tail: float = Field(default=0.0, ge=0, lt=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -116,6 +121,13 @@ class ODBConfig(BaseModel):
         if isinstance(data, dict) and "target_policy" not in data:
             return {**data, "target_policy": "min" if data.get("budget") == "packed" else "balanced"}
         return data
+
+    @model_validator(mode="after")
+    def _tail_needs_join(self) -> ODBConfig:
+        if self.shared_tail and self.mode != "join":
+            raise ValueError("shared_tail needs mode='join' (non-join ends its epoch at a quota, not when the "
+                             "ranks' views run out, so a pool has nothing to balance)")
+        return self
 
     @model_validator(mode="after")
     def _depth_covers_buffer(self) -> ODBConfig:

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from odb_core.errors import LoaderStateError, ResumeStateError
+from odb_core.errors import LoaderStateError, ResumeStateError, UnsupportedSettingError
 
 AGREED_FIELDS = ("epoch", "steps", "seed", "total", "order_world")
 """The fields every rank's state must share for a merge."""
@@ -155,6 +155,11 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> GlobalState:
     streamed = [int(s.get("rank", -1)) for s in states if s.get("stream")]
     if streamed:
         raise stream_world_error(f"the states of ranks {streamed} come from streams", ranks=streamed)
+    pooled = tail_pooled(states)
+    if pooled:
+        raise ResumeStateError(f"ranks {pooled}: their states lie inside a pooled epoch (shared_tail > 0), whose "
+                               "positions no merge can redistribute; resume from an epoch's start",
+                               field="shared_tail", ranks=pooled)
     _check_ranks(states)
     agreed = _agreed(states)
     owner: dict[int, int] = {}  # global position -> the rank whose order holds it
@@ -225,3 +230,26 @@ def check_resumed_epoch(loaded: int | None, epoch: int, rank: int) -> None:
             f"rank {rank}: load_state_dict() loaded a position in epoch {loaded}, but the loader is iterating "
             f"epoch {epoch}, which would discard it; call set_epoch({loaded}) (loader.epoch right after "
             "load_state_dict) to resume, or build a new loader to start over", rank=rank)
+
+
+def tail_pooled(states: Sequence[Mapping[str, Any]], shared_tail: float = 0.0) -> list[int]:
+    """The ranks of ``states`` that hold a position inside a pooled epoch (the state, or the
+    loader resuming it, has ``shared_tail`` > 0, and it consumed a view or took a step)."""
+    return [int(s.get("rank", -1)) for s in states
+            if (shared_tail or s.get("shared_tail")) and (s.get("consumed") or s.get("steps"))]
+
+
+def check_tail_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], shared_tail: float, rank: int) -> None:
+    """Resuming a pooled epoch (``ODBConfig.shared_tail`` > 0, in the state or in the loader that
+    resumes it): only from an epoch's start. Mid-epoch, the pool views a rank claimed and had
+    not yet yielded are known to that rank alone, and a pooled state's positions index the
+    pooled order (own shard, then claims), so no resume can deal them again exactly once (P4):
+    :class:`UnsupportedSettingError` rather than a silent loss. ``state``: one rank's
+    state_dict, every rank's, or a merged global state."""
+    states = [state] if isinstance(state, Mapping) else list(state)
+    if tail_pooled(states, shared_tail):
+        raise UnsupportedSettingError(
+            f"rank {rank}: a state_dict taken inside a pooled epoch (shared_tail > 0) cannot be resumed: the "
+            "pool views a rank claimed and had not yet yielded are known to it alone. Checkpoint the loader "
+            "after set_epoch(e + 1), where nothing is consumed (a finished epoch's state_dict still names "
+            "epoch e and every view it consumed)", field="shared_tail", rank=rank)

@@ -45,13 +45,14 @@ from odb_core.errors import (
 )
 from odb_core.protocol import CHAIN_STRIDE, Plan, RankProtocol, Step
 from odb_core.quota import QuotaTracker
+from odb_core.tail import tail_claims
 from odb_core.wire import GatheredBytes, HeaderGather, Status, StepGather
 
 HELLO_MAGIC = 0x0DB1
 """First value of the handshake vector (a peer running another wire format is caught)."""
 
 PROTOCOL_FIELDS = ("token_budget", "budget", "buffer_size", "depth", "mode", "loss_scaling", "seed", "target_policy",
-                   "overflow_policy", "output_capacity", "regroup_padding", "shuffle_steps")
+                   "overflow_policy", "output_capacity", "regroup_padding", "shuffle_steps", "shared_tail")
 """The :class:`ODBConfig` fields every rank must share (the handshake compares them, and names
 the first that differs: ``budget`` before ``target_policy``, whose default follows it)."""
 
@@ -130,6 +131,10 @@ class EpochDriver:
         self.last_out: tuple[tuple[int, ...], ...] = ()  # positions of each item of the last gather
         self.loop_ended = False
         self.done = self.quota is not None and self.quota.reached
+        self.pool: list[int] = []  # the shared tail's views (identities), in sampler order
+        self.pool_cursor = 0  # pool views claimed so far (by every rank)
+        self._claim: tuple[int, int] = (0, 0)  # this round's own claim: (first pool index, count)
+        self._pool_base = 0  # the sampler position of pool view 0 (after this rank's own views)
         self._iteration_start = 0
         self._record(ev="begin", rank=rank, world=world, epoch=epoch, config=self._trace_config(),
                      quota=0 if self.quota is None else self.quota.quota)
@@ -174,21 +179,30 @@ class EpochDriver:
             return None
         return self.epoch + (self.iteration + 1) * CHAIN_STRIDE
 
-    def start_iteration(self, order: Sequence[int]) -> None:
+    def start_iteration(self, order: Sequence[int], pool: Sequence[int] = ()) -> None:
         """Begin the next logical iteration over ``order`` (dataset identities in sampler
-        order). Join mode leaves out the positions in ``skip`` (a resumed epoch)."""
+        order). Join mode leaves out the positions in ``skip`` (a resumed epoch). ``pool``: the
+        shared tail's views (every rank's the same, in sampler order); pool view j claimed by
+        this rank has sampler position ``len(order) + j``."""
         if self.sampler_epoch is None:
             raise ProtocolStateError(f"rank {self.rank}: start_iteration() while an iteration runs or after the end")
         if self.stream and len(order):
             raise ProtocolStateError(f"rank {self.rank}: a stream has no sampler order: start_iteration(())")
+        if pool and (self.stream or self.skip or not self.config.shared_tail):
+            raise UnsupportedSettingError(
+                f"rank {self.rank}: a shared-tail pool needs shared_tail > 0, views given as a list and no resume "
+                "skip (resuming a pooled epoch is not supported yet)", field="shared_tail", rank=self.rank)
+        self.pool, self.pool_cursor, self._pool_base = list(pool), 0, len(order)
         self.iteration += 1
         self.kept = [p for p in range(len(order)) if p not in self.skip] if self.join else list(range(len(order)))
         views = [order[p] for p in self.kept]
         self.protocol = self.protocol_cls(self.config, self.rank, self.world, views, iteration=self.iteration,
-                                          epoch=self.epoch, stream=self._next_kept if self.stream else None)
+                                          epoch=self.epoch, stream=self._next_kept if self.stream else None,
+                                          pool_open=bool(self.pool))
         self.rounds, self.last_out = 0, ()
         self._iteration_start = self.quota.emitted if self.quota is not None else 0
-        self._record(ev="iteration", iteration=self.iteration, views=-1 if self.stream else len(views))
+        self._record(ev="iteration", iteration=self.iteration, views=-1 if self.stream else len(views),
+                     pool=len(self.pool))
 
     @property
     def views(self) -> list[int]:
@@ -254,12 +268,46 @@ class EpochDriver:
         non-join iteration ended without consuming anything."""
         proto = self._proto()
         plan = proto.on_headers(gathered)
+        if self.pool_cursor < len(self.pool) and not plan.done:
+            self._plan_claims(proto)
         if plan.done:
             self._end_iteration(proto)
         elif plan.step_vector is None:
             self.last_out = ()
             self._record_gather(proto, target=0, ended=False)
+            self._apply_claims(proto)
         return plan
+
+    def _plan_claims(self, proto: RankProtocol) -> None:
+        """The shared tail: every rank's claims from the gathered headers (the same on every rank,
+        P8), this rank's kept for after the round's emission."""
+        hs = proto.headers
+        counts = tail_claims([h.pending for h in hs], [h.load for h in hs], [h.samples for h in hs],
+                             len(self.pool) - self.pool_cursor, self.config.buffer_size)
+        self._claim = (self.pool_cursor + sum(counts[: self.rank]), counts[self.rank])
+        self.pool_cursor += sum(counts)
+
+    @property
+    def claimed_pool(self) -> tuple[int, ...]:
+        """The pool indices this rank claimed in the current iteration, in order (applied claims)."""
+        return tuple(k - self._pool_base for k in self.kept if k >= self._pool_base) if self.pool else ()
+
+    @property
+    def pool_applied(self) -> int:
+        """Pool views claimed by every rank (between rounds, every claim is applied)."""
+        return self.pool_cursor
+
+    def _apply_claims(self, proto: RankProtocol) -> None:
+        """This round's claim joins R; the last claim of the pool makes every view count final."""
+        start, count = self._claim
+        if count:
+            proto.claim(self.pool[start : start + count])
+            self.kept.extend(range(self._pool_base + start, self._pool_base + start + count))
+            # round: the gather that applies it (logged after a skip round's gather, before an emitting one's)
+            self._record(ev="claim", round=proto.round - 1, first=start, count=count, cursor=self.pool_cursor)
+        self._claim = (0, 0)
+        if self.pool and self.pool_cursor == len(self.pool) and not proto.ended:
+            proto.close_pool()
 
     def on_steps(self, gathered: Sequence[Sequence[int]] | GatheredBytes | StepGather) -> list[Output]:
         """Emit the round's items (``gathered`` as :meth:`RankProtocol.on_steps` takes it); return
@@ -267,6 +315,7 @@ class EpochDriver:
         (non-join), none of this rank's idle items after its :class:`LoopEnd` (``skip_idle``)."""
         proto = self._proto()
         steps = proto.on_steps(gathered)
+        self._apply_claims(proto)
         self.rounds += 1
         self.last_out = tuple(s.positions for s in steps)
         out: list[Output] = []

@@ -30,7 +30,16 @@ from odb_core.config import ODBConfig
 from odb_core.errors import InvalidSampleError, PeerInconsistencyError, ProtocolStateError
 from odb_core.grouping import check_length, hold_sparse
 from odb_core.loss import round_denominators, share
-from odb_core.wire import GatheredBytes, Header, HeaderGather, Status, StepGather, encode_steps
+from odb_core.wire import (
+    HEADER_LEN,
+    TAIL_HEADER_LEN,
+    GatheredBytes,
+    Header,
+    HeaderGather,
+    Status,
+    StepGather,
+    encode_steps,
+)
 
 CHAIN_STRIDE = 1 << 20
 """Non-join: chained iteration k of epoch e reads the sampler's permutation of epoch e + k x CHAIN_STRIDE."""
@@ -104,10 +113,12 @@ class RankProtocol:
             ``fetch`` takes positions without an upper bound and names each one's identity
             ``stream(position)`` (called once per position, in order), and the rank reports
             FINISHED only after :meth:`end` told where the stream ended and R, Q, B drained (P4).
+        pool_open: a shared tail's pool is open: :meth:`claim` appends pool views to R, and the
+            view count is final (the rank may drain and finish) only after :meth:`close_pool`.
     """
 
     def __init__(self, config: ODBConfig, rank: int, world: int, views: Sequence[int], iteration: int = 0,
-                 epoch: int = 0, *, stream: Callable[[int], int] | None = None) -> None:
+                 epoch: int = 0, *, stream: Callable[[int], int] | None = None, pool_open: bool = False) -> None:
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} outside world of size {world}")
         self.config = config
@@ -117,7 +128,10 @@ class RankProtocol:
         if stream is not None and self.views:
             raise ValueError("a stream's views are named by stream(position) as they are fetched: pass views=()")
         self._stream = stream
-        self.ended = stream is None
+        if stream is not None and pool_open:
+            raise ValueError("a stream has no shared tail: pool_open needs views given as a list")
+        self.ended = stream is None and not pool_open
+        self._header_len = TAIL_HEADER_LEN if config.shared_tail else HEADER_LEN
         """The view count is known: always for a list of views, after :meth:`end` for a stream."""
         self.streamed = stream is not None
         """The views are a stream's (their count was unknown at the start)."""
@@ -207,6 +221,11 @@ class RankProtocol:
         return set(self._held)
 
     @property
+    def headers(self) -> HeaderGather:
+        """The last round's gathered headers (decoded)."""
+        return self._headers
+
+    @property
     def finished(self) -> bool:
         """R, Q and B are all empty (a stream's R is empty only once its end is known)."""
         return self.ended and self._next == len(self.views) and not self._inflight and not self._length
@@ -216,7 +235,7 @@ class RankProtocol:
         """Move views R -> Q while |Q| + |B| < D; return the positions to request."""
         self._require(Phase.OPEN, "fetch")
         room = max(0, self.fetch_room())
-        take = min(room, len(self.views) - self._next) if self.ended else room
+        take = room if self._stream is not None and not self.ended else min(room, len(self.views) - self._next)
         fetched = list(range(self._next, self._next + take))
         if self._stream is not None and not self.ended:
             self.views.extend(map(self._stream, fetched))
@@ -240,6 +259,18 @@ class RankProtocol:
         self._inflight.difference_update(range(n, self._next))
         del self.views[n:]
         self._next, self.ended = n, True
+
+    def claim(self, views: Sequence[int]) -> None:
+        """Pool views this rank claimed (the shared tail): appended to R, in pool order."""
+        if self.ended or self._stream is not None:
+            raise ProtocolStateError(f"rank {self.rank}: claim() without an open pool")
+        self.views.extend(views)
+
+    def close_pool(self) -> None:
+        """The pool is empty: this rank's view count is final (it may drain and finish, P4)."""
+        if self._stream is not None:
+            raise ProtocolStateError(f"rank {self.rank}: close_pool() on a stream")
+        self.ended = True
 
     # ---- 2. arrive -----------------------------------------------------------------
     def arrive(self, pos: int, length: int, tokens: int | None = None) -> None:
@@ -279,7 +310,9 @@ class RankProtocol:
         if self._reports_finished(drained):
             status, self._groups = Status.FINISHED, []
             nbuf = 0
-        elif nbuf and (nbuf - len(self._held) >= self.config.buffer_size or drained):
+        elif self._pool_dry() and not nbuf:  # nothing to emit now: it claims, and blocks nobody
+            status, self._groups = Status.IDLE, []
+        elif nbuf and (nbuf - len(self._held) >= self.config.buffer_size or drained or self._pool_dry()):
             status = Status.READY
             self._groups = self._group()
         else:
@@ -297,9 +330,11 @@ class RankProtocol:
             capacity=self.config.output_capacity or 0,
             samples=nbuf,
             tokens=self._buffer_tokens if nbuf else 0,
+            pending=len(self.views) - self._next + len(self._inflight) if self._header_len != HEADER_LEN else 0,
+            load=sum(self._length.values()) if nbuf and self._header_len != HEADER_LEN else 0,
         )
         self.phase = Phase.HEADER_SENT
-        return self._header.encode()
+        return self._header.encode(self._header_len)
 
     # ---- 4. align ------------------------------------------------------------------
     def on_headers(self, gathered: Sequence[Sequence[int]] | HeaderGather) -> Plan:
@@ -310,9 +345,11 @@ class RankProtocol:
         world, iteration or round is decoded again here, as raw vectors would be.
         """
         self._require(Phase.HEADER_SENT, "on_headers")
-        if not (isinstance(gathered, HeaderGather) and gathered.belongs_to(self.world, self.iteration, self.round)):
+        length = self._header_len
+        if not (isinstance(gathered, HeaderGather) and gathered.belongs_to(self.world, self.iteration, self.round,
+                                                                           length)):
             vectors = gathered.encode() if isinstance(gathered, HeaderGather) else gathered
-            gathered = HeaderGather.decode(vectors, self.world, self.iteration, self.round)
+            gathered = HeaderGather.decode(vectors, self.world, self.iteration, self.round, length)
         headers = gathered
         assert self._header is not None
         if headers[self.rank] != self._header:
@@ -422,6 +459,12 @@ class RankProtocol:
         """The buffer's groups under the configured budget, short to long (P3): the B(l) walk
         (padded) or best-fit decreasing, held samples walked first (packed); :mod:`odb_core.budgets`."""
         return self._rule(self._length, self.config.token_budget, self._held)
+
+    def _pool_dry(self) -> bool:
+        """A shared tail's pool is open and every view of this rank has arrived: it groups what it
+        has (a partial buffer is ready, an empty one IDLE) rather than wait for claims, so its
+        samples wait no longer than without a pool."""
+        return not self.ended and self._stream is None and self._next == len(self.views) and not self._inflight
 
     def _reports_finished(self, drained: bool) -> bool:
         """The header says FINISHED: R, Q and B are empty (P4 rests on this)."""

@@ -42,3 +42,26 @@ def shard_views(order: Sequence[int], world: int, rank: int) -> list[int]:
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} outside world of size {world}")
     return padded_order(order, world)[rank::world]
+
+
+def split_tail(order: Sequence[int], fraction: float) -> tuple[list[int], list[int]]:
+    """``order`` split into the views to shard and the shared tail's pool: its last
+    floor(fraction x N) views (``ODBConfig.shared_tail``; none for fraction 0)."""
+    k = int(len(order) * fraction)
+    cut = len(order) - k
+    return list(order[:cut]), list(order[cut:])
+
+
+def tail_views(order: Sequence[int], world: int, rank: int, fraction: float) -> tuple[list[int], list[int]]:
+    """Rank ``rank``'s own views and the shared tail's pool of the epoch's (unpadded) global
+    ``order``: the pool is its last floor(fraction x N) views, the rest is sharded like
+    ``DistributedSampler(drop_last=False)`` (:func:`shard_views`). Every rank gets the same pool."""
+    own, pool = split_tail(order, fraction)
+    return shard_views(own, world, rank), pool
+
+
+def epoch_views(n: int, world: int, fraction: float = 0.0) -> int:
+    """Views an epoch of ``n`` samples serves over ``world`` ranks: the pool's floor(fraction x n)
+    once each, the rest padded as ``DistributedSampler(drop_last=False)`` pads it."""
+    k = int(n * fraction)
+    return k + world * -(-(n - k) // world)

@@ -19,7 +19,7 @@ from odb_core.epoch import Delivery, EpochDriver
 from odb_core.errors import ProtocolStateError
 from odb_core.protocol import RankProtocol, Step
 from odb_core.quota import QuotaTracker
-from odb_core.sampler import permutation
+from odb_core.sampler import permutation, split_tail
 from odb_core.schedules import check_schedule, deliver, shard
 from odb_core.wire import HeaderGather, StepGather, payload_bytes
 
@@ -64,12 +64,17 @@ class Cursor:
     last_out: list[tuple[tuple[int, ...], ...]]
     rounds: int = 0
     done: bool = False
+    pool_claimed: int = 0
+    """The shared tail: pool views claimed so far (spec: pc)."""
+    claims: list[tuple[int, ...]] = field(default_factory=list)
+    """Per rank, the 0-based pool indices it claimed, in order (spec: claimed, 1-based)."""
 
     @classmethod
     def of(cls, drivers: Sequence[EpochDriver]) -> Cursor:
         """The cursor of a world of drivers (rank 0's shared fields)."""
         d = drivers[0]
-        return cls(d.quota, [x.last_out for x in drivers], d.rounds, d.done)
+        return cls(d.quota, [x.last_out for x in drivers], d.rounds, d.done, d.pool_applied,
+                   [x.claimed_pool for x in drivers])
 
 
 Packing = list[list[list[int]]]
@@ -167,6 +172,8 @@ def simulate(
         ps = protos()
         limit = max_rounds or 4 * (max(len(p.views) for p in ps) + config.outstanding_depth) + 8
         _run_iteration(drivers, lengths, toks, schedule, rng, result, limit, observer, trace)
+        if drivers[0].pool:  # a shared tail: each rank's views are its shard and its claims
+            result.shards[-1] = [list(p.views) for p in ps]
         result.max_wait_rounds = max([result.max_wait_rounds, *(p.max_wait_rounds for p in ps)])
         if drivers[0].quota is not None:
             delivered = [sum(len(s.positions) for s in steps if s.iteration == ps[0].iteration)
@@ -187,12 +194,14 @@ def simulate(
 def _start_iterations(drivers: list[EpochDriver], n: int, shuffle: bool, schedule: str, result: SimResult) -> None:
     """Every driver starts its next logical iteration over its shard of the sampler epoch it names."""
     epoch = drivers[0].sampler_epoch
-    shards = shard(permutation(n, drivers[0].config.seed, epoch or 0, shuffle), len(drivers), schedule,
-                   drivers[0].config.seed)
+    config = drivers[0].config
+    order = permutation(n, config.seed, epoch or 0, shuffle)
+    own, pool = split_tail(order, config.shared_tail)
+    shards = shard(own, len(drivers), schedule, config.seed)
     result.shards.append(shards)
     if epoch is not None:  # None: a quota of 0 ends the epoch before it starts
         for d, views in zip(drivers, shards):
-            d.start_iteration(views)
+            d.start_iteration(views, pool)
 
 
 def _run_iteration(

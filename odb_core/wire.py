@@ -36,6 +36,9 @@ from typing import Any, NamedTuple, TypeVar, overload
 from odb_core.errors import PeerInconsistencyError, WireFormatError
 
 HEADER_LEN = 7
+TAIL_HEADER_LEN = 9
+"""A header under ``shared_tail`` > 0: the seven fields, then ``pending`` (views fetched or to
+fetch, not arrived) and ``load`` (the sum of the buffer's lengths), for the pool's claims."""
 INT64_BYTES = 8
 INT64_MAX = 2**63 - 1
 
@@ -46,6 +49,7 @@ class Status(IntEnum):
     WAITING = 0  # holds too few samples to group (and the sampler is not exhausted)
     READY = 1  # formed ``groups`` > 0 candidate groups
     FINISHED = 2  # R, Q and B are all empty
+    IDLE = 3  # a shared tail's pool is open and R, Q and B are empty: nothing to emit now, blocks nobody
 
 
 _STATUS = {int(s): s for s in Status}
@@ -62,10 +66,13 @@ class Header(NamedTuple):
     capacity: int
     samples: int
     tokens: int
+    pending: int = 0
+    load: int = 0
 
-    def encode(self) -> list[int]:
-        """The int64 vector for the header gather."""
-        return [self.iteration, self.round, int(self.status), self.groups, self.capacity, self.samples, self.tokens]
+    def encode(self, length: int = HEADER_LEN) -> list[int]:
+        """The int64 vector for the header gather (``TAIL_HEADER_LEN``: with pending and load)."""
+        head = [self.iteration, self.round, int(self.status), self.groups, self.capacity, self.samples, self.tokens]
+        return head if length == HEADER_LEN else [*head, self.pending, self.load]
 
 
 def _check_ints(vector: Sequence[int], what: str, length: int) -> list[int]:
@@ -79,32 +86,38 @@ def _check_ints(vector: Sequence[int], what: str, length: int) -> list[int]:
     return out
 
 
-def decode_header(vector: Sequence[int], rank: int) -> Header:
-    """Decode and check rank ``rank``'s header; raise if malformed or self-contradicting."""
-    it, rnd, status_code, groups, capacity, samples, tokens = _check_ints(vector, f"rank {rank} header", HEADER_LEN)
+def decode_header(vector: Sequence[int], rank: int, length: int = HEADER_LEN) -> Header:
+    """Decode and check rank ``rank``'s header of ``length`` values; raise if malformed or
+    self-contradicting."""
+    values = _check_ints(vector, f"rank {rank} header", length)
+    it, rnd, status_code, groups, capacity, samples, tokens = values[:HEADER_LEN]
+    pending, load = values[HEADER_LEN:] or (0, 0)
     status = _STATUS.get(status_code)
     if status is None:
         raise WireFormatError(f"rank {rank} header: unknown status {status_code}")
-    if status is Status.FINISHED and (groups or samples or tokens):
+    if status in (Status.FINISHED, Status.IDLE) and (groups or samples or tokens or pending or load):
         raise PeerInconsistencyError(
-            f"rank {rank} reports finished while holding {samples} samples in {groups} groups"
+            f"rank {rank} reports {status.name.lower()} while holding {samples} samples in {groups} groups "
+            f"({pending} pending)"
         )
     if status is Status.WAITING and groups:
         raise PeerInconsistencyError(f"rank {rank} reports waiting with {groups} groups")
     if status is Status.READY and not 1 <= groups <= samples:
         raise PeerInconsistencyError(f"rank {rank} reports ready with {groups} groups over {samples} samples")
-    return Header(it, rnd, status, groups, capacity, samples, tokens)
+    return Header(it, rnd, status, groups, capacity, samples, tokens, pending, load)
 
 
-def decode_headers(vectors: Sequence[Sequence[int]], world: int, iteration: int, rnd: int) -> list[Header]:
-    """Decode every rank's header and check they all belong to this iteration and round."""
+def decode_headers(vectors: Sequence[Sequence[int]], world: int, iteration: int, rnd: int,
+                   length: int = HEADER_LEN) -> list[Header]:
+    """Decode every rank's header (``length`` values each) and check they all belong to this
+    iteration and round."""
     if len(vectors) != world:
         raise WireFormatError(f"header gather: expected {world} vectors, got {len(vectors)}")
     try:
-        return _headers_fast(vectors, iteration, rnd)
+        return _headers_fast(vectors, iteration, rnd, length)
     except Exception:  # noqa: BLE001 - the rank-by-rank decoding below names what is wrong
         pass
-    headers = [decode_header(v, r) for r, v in enumerate(vectors)]
+    headers = [decode_header(v, r, length) for r, v in enumerate(vectors)]
     for r, h in enumerate(headers):
         if (h.iteration, h.round) != (iteration, rnd):
             raise PeerInconsistencyError(
@@ -122,28 +135,32 @@ class HeaderGather(Sequence[Header]):
     simulator) share them; every result is what the function returns on the headers.
     """
 
-    __slots__ = ("headers", "iteration", "round", "finished", "_derived")
+    __slots__ = ("headers", "iteration", "round", "finished", "length", "_derived")
 
-    def __init__(self, headers: Sequence[Header], iteration: int, rnd: int) -> None:
+    def __init__(self, headers: Sequence[Header], iteration: int, rnd: int, length: int = HEADER_LEN) -> None:
         self.headers = tuple(headers)
         self.iteration = iteration
         self.round = rnd
+        self.length = length
+        """The header vectors' length (``TAIL_HEADER_LEN`` under a shared tail)."""
         self.finished = sum(1 for h in self.headers if h.status is Status.FINISHED)
         """How many ranks said FINISHED."""
         self._derived: dict[Any, Any] = {}
 
     @classmethod
-    def decode(cls, vectors: Sequence[Sequence[int]], world: int, iteration: int, rnd: int) -> HeaderGather:
+    def decode(cls, vectors: Sequence[Sequence[int]], world: int, iteration: int, rnd: int,
+               length: int = HEADER_LEN) -> HeaderGather:
         """Decode and check a header gather (:func:`decode_headers`)."""
-        return cls(decode_headers(vectors, world, iteration, rnd), iteration, rnd)
+        return cls(decode_headers(vectors, world, iteration, rnd, length), iteration, rnd, length)
 
-    def belongs_to(self, world: int, iteration: int, rnd: int) -> bool:
-        """Whether this is a gather of ``world`` headers decoded for ``iteration`` and ``rnd``."""
-        return len(self.headers) == world and self.iteration == iteration and self.round == rnd
+    def belongs_to(self, world: int, iteration: int, rnd: int, length: int = HEADER_LEN) -> bool:
+        """Whether this is a gather of ``world`` headers of ``length`` decoded for ``iteration`` and ``rnd``."""
+        return (len(self.headers) == world and self.iteration == iteration and self.round == rnd
+                and self.length == length)
 
     def encode(self) -> list[list[int]]:
         """The header vectors again (what was gathered, as ints)."""
-        return [h.encode() for h in self.headers]
+        return [h.encode(self.length) for h in self.headers]
 
     def derived(self, fn: Callable[[Sequence[Header]], _T]) -> _T:
         """``fn(self)``, computed once per gather (``fn`` must be a pure function of the headers)."""
@@ -172,13 +189,15 @@ class HeaderGather(Sequence[Header]):
         return f"HeaderGather(iteration={self.iteration}, round={self.round}, headers={list(self.headers)!r})"
 
 
-def _headers_fast(vectors: Sequence[Sequence[int]], iteration: int, rnd: int) -> list[Header]:
+def _headers_fast(vectors: Sequence[Sequence[int]], iteration: int, rnd: int, length: int = HEADER_LEN) -> list[Header]:
     """:func:`decode_headers` of a well-formed, consistent gather, checked in one pass: the
     values packed as uint64 (ints in [0, 2^64)) with no top bit set (< 2^63), then each
     header's status and counts as :func:`decode_header` checks them. Raises on anything
     else, for the rank-by-rank decoder to report."""
-    if any(len(v) != HEADER_LEN for v in vectors):
+    if any(len(v) != length for v in vectors):
         raise _Slow
+    if length != HEADER_LEN:
+        raise _Slow  # the shared tail's headers take the rank-by-rank path
     count = HEADER_LEN * len(vectors)
     packed = struct.pack(f"<{count}Q", *chain.from_iterable(vectors))
     if not packed[7::8].isascii():  # a value >= 2^63
@@ -192,7 +211,7 @@ def _headers_fast(vectors: Sequence[Sequence[int]], iteration: int, rnd: int) ->
         if status is Status.READY:
             if not 1 <= groups <= samples:
                 raise _Slow
-        elif groups or (status is Status.FINISHED and (samples or tokens)):
+        elif groups or (status in (Status.FINISHED, Status.IDLE) and (samples or tokens)):
             raise _Slow
         headers.append(Header(it, rn, status, groups, capacity, samples, tokens))
     return headers

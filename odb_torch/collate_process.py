@@ -46,6 +46,7 @@ from odb_torch.descriptors import ensure_descriptors
 from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, encode
 from odb_torch.process_guard import DieWithParent
 from odb_torch.sample_packing import IndexedDataset, PackedChunk, Packer, describe_exception, unpack
+from odb_torch.shared_tail import tail_shares
 from odb_torch.step_info import StepInfo
 
 MAX_CHUNK = 64
@@ -150,6 +151,7 @@ class CollateServer:
         self._driver: EpochDriver | None = None
         self._prepared: tuple[StartEpoch, EpochDriver] | None = None  # an epoch started before its handshake
         self._load_state: tuple[list[int], list[list[int]], int] | None = None  # views, chunks, next chunk
+        self._scheduled = 0  # positions of the iteration whose loads are started (shared tail: claims later)
 
     # ---- the process ------------------------------------------------------------------
     def serve(self) -> None:
@@ -260,14 +262,13 @@ class CollateServer:
         """The epoch's rounds; True if this rank's loop already got its :class:`EpochEnd`."""
         ended = False
         # an iteration _prepare started is under way: its loads are self._loading
-        loads: Iterator[list[tuple[int, Any, tuple[int, int]]]] = self._loading or iter(())
         samples: dict[int, Any] = {}  # B: position -> sample
         while not driver.done:
             if driver.sampler_epoch is not None:
                 self._start_iteration(driver)
-                loads, samples = self._loading or iter(()), {}
+                samples = {}
                 continue
-            self._fill(driver, loads, samples)
+            self._fill(driver, samples)
             ended = self._round(driver, samples) or ended
         return ended
 
@@ -283,9 +284,15 @@ class CollateServer:
         epoch = driver.sampler_epoch
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
-        driver.start_iteration([int(i) for i in self.sampler])
+        spec = self.spec
+        if spec.config.shared_tail:  # own views and the pool, from the sampler's global order
+            driver.start_iteration(*tail_shares(self.sampler, spec.rank, spec.world, epoch or 0,
+                                                spec.config.shared_tail))
+        else:
+            driver.start_iteration([int(i) for i in self.sampler])
         self._close_loading()
-        self._loading = self._loads(driver.views)
+        self._scheduled = len(driver.views)  # positions whose loads are started (claims come later)
+        self._loading = self._loads(list(driver.views), range(self._scheduled))
         next(self._loading)  # runs up to iter(DataLoader): the workers start loading
         self._ahead, self._template = {}, None
 
@@ -315,17 +322,19 @@ class CollateServer:
         the step vectors, and deliver each output; True if this rank's loop got its EpochEnd."""
         ended = False
         plan = driver.on_headers(self._gather(driver.begin_round(), "header"))
-        if plan.step_vector is not None:
-            for item in driver.on_steps(self._gather_steps(plan.step_vector)):
-                ended = self._deliver(driver, item, samples) or ended
+        steps = driver.on_steps(self._gather_steps(plan.step_vector)) if plan.step_vector is not None else []
+        if driver.pool and driver.protocol is not None and len(driver.views) > self._scheduled:
+            self._claim_loads(driver)  # claimed pool views start loading now, while the batches train
+        for item in steps:
+            ended = self._deliver(driver, item, samples) or ended
         self._flush_trace(driver)
         return ended
 
-    def _fill(self, driver: EpochDriver, loads: Iterator[list[tuple[int, Any, tuple[int, int]]]],
-              samples: dict[int, Any]) -> None:
+    def _fill(self, driver: EpochDriver, samples: dict[int, Any]) -> None:
         """Fetch what the driver allows and hand it every loaded sample it fetched, loading
-        more while it needs arrivals. ``loads`` yields views in position order, so samples
+        more while it needs arrivals. The loads yield views in position order, so samples
         loaded ahead of the fetch wait in ``self._ahead`` (still in R for the driver)."""
+        loads = self._loading or iter(())
         while True:
             driver.fetch()
             head = driver.protocol.next_position if driver.protocol is not None else 0
@@ -338,18 +347,22 @@ class CollateServer:
             if not driver.needs_arrivals():
                 return
             chunk = next(loads, None)
+            if chunk is None and driver.pool and len(driver.views) > self._scheduled:  # the shared tail's claims
+                loads = self._claim_loads(driver)
+                chunk = next(loads, None)
             if chunk is None:
                 raise CollateProcessError(f"rank {self.spec.rank}: the data loader ended before every "
                                           "fetched view arrived", rank=self.spec.rank)
             for pos, sample, measure in chunk:
                 self._ahead[pos] = (sample, measure)
 
-    def _loads(self, views: list[int]) -> Iterator[list[tuple[int, Any, tuple[int, int]]]]:
-        """Chunks of loaded (position, sample, (length, tokens)), in position order, after a
-        first empty one once the DataLoader's workers have their first chunks to load."""
+    def _loads(self, views: list[int], positions: range) -> Iterator[list[tuple[int, Any, tuple[int, int]]]]:
+        """Chunks of loaded (position, sample, (length, tokens)) of ``positions`` of ``views``, in
+        position order, after a first empty one once the DataLoader's workers have their first
+        chunks to load."""
         spec = self.spec
         size = chunk_size(spec.config, spec.num_workers)
-        chunks = [list(range(k, min(k + size, len(views)))) for k in range(0, len(views), size)]
+        chunks = [list(positions[k : k + size]) for k in range(0, len(positions), size)]
         if not chunks:
             yield []
             return
@@ -370,6 +383,17 @@ class CollateServer:
             packed = self._next_chunk(it, [views[p] for p in chunk])
             assert packed.measures is not None
             yield list(zip(chunk, unpack(packed), packed.measures))
+
+    def _claim_loads(self, driver: EpochDriver) -> Iterator[list[tuple[int, Any, tuple[int, int]]]]:
+        """The loads of the pool views this rank claimed since its loads last started (P4: every
+        claimed view is loaded, after its own views, in position order). A rank claims only with
+        every earlier view arrived, so the loads it replaces have nothing left to yield."""
+        self._close_loading()
+        claimed = range(self._scheduled, len(driver.views))
+        self._scheduled = len(driver.views)
+        self._loading = self._loads(list(driver.views), claimed)
+        next(self._loading)
+        return self._loading
 
     def _next_chunk(self, it: Iterator[PackedChunk], indices: list[int]) -> PackedChunk:
         """The next loaded chunk, or the typed error of its first bad sample (P4: none is skipped)."""

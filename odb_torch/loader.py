@@ -15,7 +15,7 @@ from torch.utils.data import Dataset, DistributedSampler, default_collate
 
 from odb_core import ODBConfig
 from odb_core.config import BudgetName, LossScaling, Mode, TargetPolicyName
-from odb_core.elastic import check_resumed_epoch
+from odb_core.elastic import check_resumed_epoch, check_tail_resume
 from odb_core.epoch import EpochDriver
 from odb_core.errors import CollateProcessError, LoaderStateError, PeerError, UnsupportedSettingError
 from odb_torch.collate_process import CollateSpec, collate_main
@@ -32,6 +32,7 @@ from odb_torch.elastic import (
 from odb_torch.loader_options import CONFIG_DEFAULT, collate_rendezvous, protocol_config, rank_and_world
 from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, decode
 from odb_torch.process_guard import close_at_exit
+from odb_torch.shared_tail import check_tail_sampler
 from odb_torch.start_failure import StartMethod, check_spawnable, explain_start_failure, resolve_start_method
 from odb_torch.step_info import StepInfo
 from odb_torch.stream_loading import (
@@ -99,6 +100,10 @@ class ODBDataLoader:
         budget: ``"padded"`` (default: max length x group size <= token_budget) or
             ``"packed"`` (sum of lengths <= token_budget; pair it with
             :func:`~odb_torch.padding_free.packed_collate`, ``docs/packing.md``).
+        shared_tail: the fraction of each epoch's global order kept as a pool that ranks claim
+            from as their own views run out, the least loaded first (join mode, the default
+            ``DistributedSampler``; resume at epoch boundaries only). Cuts the alignment
+            overhead at large world sizes (``docs/scale.md``); 0 (default): none.
         init_method: rendezvous of the collate group (default ``tcp://MASTER_ADDR:
             MASTER_PORT+1``, or a free local port when alone; env ``ODB_COLLATE_PORT``).
         timeout: seconds before a silent collate process or peer is an error.
@@ -146,6 +151,7 @@ class ODBDataLoader:
         shuffle_steps: bool = CONFIG_DEFAULT,
         regroup_padding: float | None = CONFIG_DEFAULT,
         budget: BudgetName = CONFIG_DEFAULT,
+        shared_tail: float = CONFIG_DEFAULT,
         init_method: str | None = None,
         timeout: float = 300.0,
         start_method: StartMethod = "auto",
@@ -158,7 +164,8 @@ class ODBDataLoader:
     ) -> None:
         self.config = protocol_config(config, token_budget, dict(
             buffer_size=buffer_size, depth=depth, mode=mode, loss_scaling=loss_scaling, target_policy=target_policy,
-            seed=seed, shuffle_steps=shuffle_steps, regroup_padding=regroup_padding, budget=budget))
+            seed=seed, shuffle_steps=shuffle_steps, regroup_padding=regroup_padding, budget=budget,
+            shared_tail=shared_tail))
         seed = self.config.seed
         rank, world_size = rank_and_world(rank, world_size)
         self.rank, self.world_size = rank, world_size
@@ -170,6 +177,8 @@ class ODBDataLoader:
                                           "dataset's is its index", field="element_id", rank=rank)
         self.sampler: Any = StreamSampler(idle_sample, element_id) if stream else sampler if sampler is not None else \
             DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
+        if self.config.shared_tail:  # the pool is cut from the sampler's global order
+            check_tail_sampler(self.sampler, rank, world_size)
         self._spec = CollateSpec(
             dataset=dataset, collate_fn=collate_fn or default_collate, length_fn=length_fn,
             loss_tokens_fn=loss_tokens_fn, config=self.config, rank=rank, world=world_size,
@@ -257,6 +266,8 @@ class ODBDataLoader:
                 state["consumed_ids"] = self._consumed_ids[: len(consumed)]
         if isinstance(self.sampler, DistributedSampler):  # what fixes its order: every resume checks it
             state.update(order_fields(self.sampler))
+        if self.config.shared_tail:  # positions index the pooled order: resumable from an epoch's start only
+            state["shared_tail"] = self.config.shared_tail
         return state
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
@@ -272,6 +283,7 @@ class ODBDataLoader:
         """
         if self.config.mode != "join":
             raise NotImplementedError("load_state_dict resumes mid-epoch in join mode only")
+        check_tail_resume(state, self.config.shared_tail, self.rank)
         if isinstance(self.sampler, StreamSampler):  # same world only (ResumeStateError otherwise)
             self._resume = stream_resume(state, self.rank, self.world_size, self.config.seed,
                                          self._spec.num_workers)
@@ -292,6 +304,8 @@ class ODBDataLoader:
             self._resume = (self.epoch, list(state["consumed"]), int(state["steps"]))
         else:
             merged, share = plan_resume(self.sampler, self.rank, self.world_size, self.config.seed, state)
+            if self.config.shared_tail:  # nothing consumed (check_tail_resume): a whole epoch, the pool cut anew
+                share = None
             self.epoch = merged.epoch
             self._resume = (self.epoch, [], merged.steps)
         if share is not None or self._elastic is not None:

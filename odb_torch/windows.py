@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from odb_core.elastic import global_state_from
 from odb_core.errors import CheckpointStateError, ResumeStateError
+from odb_core.sampler import epoch_views
 from odb_torch.step_info import StepInfo
 
 if TYPE_CHECKING:
@@ -88,8 +89,12 @@ class AccumulationWindows:
         return self.loader.world_size
 
     def samples_per_epoch(self) -> int:
-        """Global samples of one epoch: the sampler's views over every rank (join mode)."""
-        return len(self.loader.sampler) * self.loader.world_size
+        """Global samples of one epoch: the sampler's views over every rank (join mode), the
+        shared tail's pool counted once (:func:`odb_core.sampler.epoch_views`)."""
+        loader = self.loader
+        if loader.config.shared_tail:  # the default DistributedSampler (checked at construction)
+            return epoch_views(len(loader.sampler.dataset), loader.world_size, loader.config.shared_tail)
+        return len(loader.sampler) * loader.world_size
 
     def set_epoch(self, epoch: int) -> None:
         """Ignored: the windows count epochs themselves (a resumed trainer may restart its count)."""

@@ -50,6 +50,8 @@ RECURSIVE Product(_)
 Product(k) == IF k = 0 THEN {<<>>} ELSE {p \o <<x>> : p \in Product(k - 1), x \in LocalStates(k)}
 
 Domain ==
+    /\ pc = 0  \* no shared tail in the inductive domains (bound first: Views reads claimed)
+    /\ claimed = [r \in Ranks |-> <<>>]
     /\ \E ls \in Product(W) :
         /\ next = [r \in Ranks |-> ls[r][1]]
         /\ Q = [r \in Ranks |-> ls[r][2]]

@@ -39,6 +39,11 @@ Len_2x4p == <<<<1, 8, 5, 7>>, <<3, 3, 4, 11>>>>
 \* the second (first fit would put it in the first).
 NV_1b == <<4>>
 Len_1b == <<<<1, 9, 12, 10>>>>
+\* The shared tail: two ranks of uneven work (rank 1 long, rank 2 short) and a pool of four
+\* views both know; rank 2 runs out of work first and the claims go to it.
+NV_2t == <<2, 2>>
+Len_2t == <<<<6, 7>>, <<1, 2>>>>
+Pool_2t == <<3, 1, 4, 2>>
 \* Deep suite: three ranks, three views each.
 NV_3x3 == <<3, 3, 3>>
 Len_3x3 == <<<<2, 6, 9>>, <<1, 5, 12>>, <<4, 4, 0>>>>

@@ -42,9 +42,11 @@ VARIABLES next,     \* R = next[r]..NV[r]
           lastStep, \* non-join: global samples of the last consumed step
           lastOut,  \* items each rank emitted in the last gather (<<>> = idle item)
           rounds,   \* emitting rounds in this logical iteration
-          done      \* the epoch is over
+          done,     \* the epoch is over
+          pc,       \* the shared tail: pool views claimed so far (by every rank)
+          claimed   \* claimed[r]: the pool indices rank r claimed, in order (its views NV[r] + 1, ...)
 
-vars == <<next, Q, B, E, H, consumed, lastStep, lastOut, rounds, done>>
+vars == <<next, Q, B, E, H, consumed, lastStep, lastOut, rounds, done, pc, claimed>>
 Ranks == 1..W
 
 ---------------------------------------------------------------------------
@@ -54,8 +56,16 @@ Range(s) == {s[i] : i \in DOMAIN s}
 Reverse(s) == [i \in 1..Len(s) |-> s[Len(s) - i + 1]]
 RECURSIVE SumSeq(_)
 SumSeq(s) == IF s = <<>> THEN 0 ELSE Head(s) + SumSeq(Tail(s))
-Views(r) == 1..NV[r]
-Remaining(r) == next[r]..NV[r]
+(* The shared tail (odb_core.tail): Pool holds the lengths of the views   *)
+(* kept out of the shards (<<>>: none; a .cfg substitutes Pool <- ...). A  *)
+(* rank's views are its shard's 1..NV[r], then the pool views it claimed.  *)
+Pool == <<>>
+ClaimCap == BufSize
+NVr(r) == NV[r] + Len(claimed[r])
+LenOf(r, p) == IF p <= NV[r] THEN Length[r][p] ELSE Pool[claimed[r][p - NV[r]]]
+Views(r) == 1..NVr(r)
+Remaining(r) == next[r]..NVr(r)
+Pend(r) == Cardinality(Remaining(r)) + Cardinality(Q[r])  \* views not yet arrived
 
 (* Streams (an IterableDataset): a rank's view count is unknown until its  *)
 (* stream ends. NV[r] is then the stream's length, which the rank does not *)
@@ -68,19 +78,25 @@ Remaining(r) == next[r]..NV[r]
 (* discovers only by fetching past it.                                     *)
 StreamOn == FALSE
 StreamsOn == TRUE
-EndKnown(r) == ~StreamOn \/ next[r] > NV[r] + 1
+EndKnown(r) == (~StreamOn \/ next[r] > NV[r] + 1) /\ pc = Len(Pool)
 \* the positions a fetch up to `last` puts in Q: those before the end (a .cfg may seed a bug here)
-StreamFetched(r, last) == next[r]..(IF last > NV[r] THEN NV[r] ELSE last)
+StreamFetched(r, last) == next[r]..(IF StreamOn /\ last > NV[r] THEN NV[r] ELSE last)
 
 \* B(l) = max(floor(L_max / l), 1); zero lengths count as 1.
 BS(l) == LET q == Budget \div (IF l < 1 THEN 1 ELSE l) IN IF q < 1 THEN 1 ELSE q
 
 ---------------------------------------------------------------------------
 (* Per-rank status, as the header reports it.                              *)
-Drained(r) == EndKnown(r) /\ next[r] > NV[r] /\ Q[r] = {}
+Drained(r) == EndKnown(r) /\ next[r] > NVr(r) /\ Q[r] = {}
 IsFinished(r) == Drained(r) /\ B[r] = <<>>
+\* "idle": the shared tail's pool is open and the rank holds nothing (R, Q, B empty): it claims
+\* at this gather, emits idle items, and blocks no target policy (it is neither ready nor waiting)
+\* PoolDry(r): the pool is open and every view of r has arrived: r groups what it has (ready)
+\* rather than wait for claims, so its samples wait no longer than without a pool
+PoolDry(r) == pc < Len(Pool) /\ Pend(r) = 0
 Status(r) == IF IsFinished(r) THEN "finished"
-             ELSE IF B[r] # <<>> /\ (Len(B[r]) - Cardinality(H[r]) >= BufSize \/ Drained(r)) THEN "ready"
+             ELSE IF B[r] = <<>> /\ PoolDry(r) THEN "idle"
+             ELSE IF B[r] # <<>> /\ (Len(B[r]) - Cardinality(H[r]) >= BufSize \/ Drained(r) \/ PoolDry(r)) THEN "ready"
              ELSE "waiting"
 
 (* Grouping: the B(l) walk over B sorted by (length, position).            *)
@@ -88,11 +104,11 @@ Status(r) == IF IsFinished(r) THEN "finished"
 (* when TLC checks fairness it re-evaluates LET values and lazy operator   *)
 (* arguments on every reference, which made the walk exponential in the   *)
 (* number of groups (a buffer of 8 stalled Termination for minutes).       *)
-ShorterFirst(r, a, b) == Length[r][a] < Length[r][b] \/ (Length[r][a] = Length[r][b] /\ a < b)
+ShorterFirst(r, a, b) == LenOf(r, a) < LenOf(r, b) \/ (LenOf(r, a) = LenOf(r, b) /\ a < b)
 RECURSIVE Walk(_, _, _, _)
 Walk(r, order, end, t) ==
     IF end = 0 THEN <<>>
-    ELSE CHOOSE w \in {<<SubSeq(order, start + 1, end)>> \o Walk(r, order, start, BS(Length[r][order[start + 1]]))
+    ELSE CHOOSE w \in {<<SubSeq(order, start + 1, end)>> \o Walk(r, order, start, BS(LenOf(r, order[start + 1])))
                        : start \in {IF end > t THEN end - t ELSE 0}} : TRUE
 BRule(r) == CHOOSE w \in {Reverse(Walk(r, order, Len(order), 1))
                           : order \in {SortSeq(B[r], LAMBDA a, b : ShorterFirst(r, a, b))}} : TRUE
@@ -108,7 +124,7 @@ BRule(r) == CHOOSE w \in {Reverse(Walk(r, order, Len(order), 1))
 (* it travels alone.                                                       *)
 (* FitOp is an operator so a .cfg can substitute a seeded bug.             *)
 Size(l) == IF l < 1 THEN 1 ELSE l
-Load(r, g) == SumSeq([k \in DOMAIN g |-> Size(Length[r][g[k]])])
+Load(r, g) == SumSeq([k \in DOMAIN g |-> Size(LenOf(r, g[k]))])
 \* the groups (by index into loads, the groups' sums of sizes) a sample of size s fits in
 Fits(loads, s) == {i \in DOMAIN loads : loads[i] + s <= Budget}
 FitOp(loads, s) == Fits(loads, s)
@@ -124,7 +140,7 @@ PackWalk(r, order, bins, loads) ==
     IF order = <<>> THEN bins
     ELSE CHOOSE w \in {CHOOSE v \in {PackWalk(r, Tail(order), Place(bins, i, Head(order)), AddLoad(loads, i, s))
                                     : i \in {BestFit(loads, s)}} : TRUE
-                       : s \in {Size(Length[r][Head(order)])}} : TRUE
+                       : s \in {Size(LenOf(r, Head(order)))}} : TRUE
 \* the walk's order: H[r]'s positions longest first, then the other buffered ones longest first
 PackOrder(r) ==
     CHOOSE w \in {Reverse(SelectSeq(asc, LAMBDA p : p \in H[r])) \o Reverse(SelectSeq(asc, LAMBDA p : p \notin H[r]))
@@ -141,7 +157,7 @@ Packing(r) == IF BudgetKind = "packed" THEN PackRule(r) ELSE BRule(r)
 (* P3 per budget: a group of >= 2 samples costs at most Budget: max length *)
 (* x size (padded) or the sum of its sizes (packed); a lone sample may be  *)
 (* longer than Budget (it travels alone).                                  *)
-MaxLen(r, g) == Max({Length[r][p] : p \in Range(g)})
+MaxLen(r, g) == Max({LenOf(r, p) : p \in Range(g)})
 GroupCost(r, g) == IF BudgetKind = "packed" THEN Load(r, g) ELSE MaxLen(r, g) * Len(g)
 WithinBudget(r, g) == Len(g) >= 2 => GroupCost(r, g) <= Budget
 
@@ -166,7 +182,7 @@ Admissible(r, gs) ==
 (* buffer or the depth until the next emitting round (so a hold never      *)
 (* shrinks the next buffer), and a rank with fewer kept groups than T      *)
 (* emits held groups (in walk order) before it splits any.                 *)
-SumLen(r, g) == SumSeq([k \in DOMAIN g |-> Length[r][g[k]]])
+SumLen(r, g) == SumSeq([k \in DOMAIN g |-> LenOf(r, g[k])])
 Area(r, g) == IF BudgetKind = "packed" THEN Budget ELSE MaxLen(r, g) * Len(g)
 Sparse(r, g) == LET area == Area(r, g) IN (area - SumLen(r, g)) * RegroupDen > RegroupNum * area
 Holdable(r, g) == RegroupDen > 0 /\ ~Drained(r) /\ Len(g) >= 2 /\ Range(g) \cap H[r] = {} /\ Sparse(r, g)
@@ -263,6 +279,53 @@ Orders(al, T) == AnyOrder(al, T)
 IsOrderOf(o, al) == \A r \in Ranks : Len(o[r]) = Len(al[r]) /\ Range(o[r]) = Range(al[r])
 RecordedOrder(al, T) == IF IsOrderOf(lastOut', al) THEN {lastOut'} ELSE {}
 
+(* The shared tail's claims (odb_core.tail.tail_claims), from the state  *)
+(* the headers report: a rank's load (the sum of its buffer's lengths),  *)
+(* its pending views (R and Q) and buffered samples. In integers: the    *)
+(* mean length is TotL / TotS; a rank's work W(r) = load x TotS + pending *)
+(* x TotL; the level is the least h with sum max(0, h - W(r)) >= the      *)
+(* pool's work (views left x TotL); in rank order, each rank with nothing *)
+(* pending takes min(ClaimCap, (h - W(r)) \div TotL, what is left); if   *)
+(* nobody takes any while a rank has nothing pending, the least-loaded    *)
+(* such rank (lowest rank on ties) takes one.                             *)
+Ld(r) == SumSeq([k \in DOMAIN B[r] |-> LenOf(r, B[r][k])])
+TotL == SumSeq([r \in Ranks |-> Ld(r)])
+TotS == SumSeq([r \in Ranks |-> Len(B[r])])
+MeanNum == IF TotS > 0 /\ TotL > 0 THEN TotL ELSE 1
+MeanDen == IF TotS > 0 /\ TotL > 0 THEN TotS ELSE 1
+Work(r) == Ld(r) * MeanDen + Pend(r) * MeanNum
+PoolLeft == Len(Pool) - pc
+\* w: every rank's Work, computed once per gather (a function, so TLC does not re-evaluate it)
+Fill(w, h) == SumSeq([r \in Ranks |-> IF h > w[r] THEN h - w[r] ELSE 0])
+RECURSIVE LevelIn(_, _, _, _)
+\* the least h in lo..hi with Fill(w, h) >= p (binary search, as odb_core.tail._level)
+LevelIn(w, lo, hi, p) ==
+    IF lo >= hi THEN lo
+    ELSE CHOOSE v \in {IF Fill(w, mid) >= p THEN LevelIn(w, lo, mid, p) ELSE LevelIn(w, mid + 1, hi, p)
+                       : mid \in {(lo + hi) \div 2}} : TRUE
+Level(w, m) == LevelIn(w, Min({w[r] : r \in Ranks}), Max({w[r] : r \in Ranks}) + PoolLeft * m, PoolLeft * m)
+RECURSIVE DealClaims(_, _, _, _, _)
+\* the counts of ranks r..W given `room` views left, level h, works w and mean numerator m
+DealClaims(r, room, h, w, m) ==
+    IF r > W THEN <<>>
+    ELSE CHOOSE v \in {<<c>> \o DealClaims(r + 1, room - c, h, w, m)
+                       : c \in {IF Pend(r) = 0 /\ room > 0 /\ h > w[r] THEN Min({ClaimCap, (h - w[r]) \div m, room})
+                                ELSE 0}} : TRUE
+\* (values bound with CHOOSE x \in {e} : TRUE, evaluated once: see the B(l) walk's note)
+ClaimsFor(w, m) ==
+    CHOOSE c \in {IF SumSeq(d) > 0 \/ free = {} THEN d
+                  ELSE [r \in Ranks |-> IF r = (CHOOSE x \in free : \A y \in free : w[x] < w[y] \/ (w[x] = w[y] /\ x <= y))
+                                        THEN 1 ELSE 0]
+                  : d \in {DealClaims(1, PoolLeft, h, w, m) : h \in {Level(w, m)}},
+                    free \in {{r \in Ranks : Pend(r) = 0}}} : TRUE
+Claims == IF pc < Len(Pool)
+          THEN CHOOSE c \in {ClaimsFor(w, MeanNum) : w \in {[r \in Ranks |-> Work(r)]}} : TRUE
+          ELSE [r \in Ranks |-> 0]
+\* claimed' and pc' for the counts c (each rank's pool indices follow those of the ranks before it)
+ClaimWith(c) ==
+    /\ claimed' = [r \in Ranks |-> claimed[r] \o [i \in 1..c[r] |-> pc + SumSeq(SubSeq(c, 1, r - 1)) + i]]
+    /\ pc' = pc + SumSeq(c)
+
 (* What stays in B after a rank emitted `em`: overflow recirculates.       *)
 Rest(r, ready, em) == SelectSeq(B[r], LAMBDA p : p \notin em)
 ChainOn == TRUE
@@ -278,6 +341,8 @@ Init == /\ next = [r \in Ranks |-> 1]
         /\ lastOut = [r \in Ranks |-> <<>>]
         /\ rounds = 0
         /\ done = (~JoinMode /\ Quota = 0)
+        /\ pc = 0
+        /\ claimed = [r \in Ranks |-> <<>>]
 
 (* R -> Q while |Q| + |B \ H| < D, all at once (odb_core's fetch()). A     *)
 (* stream's fetch is bounded by the depth alone until its end is known;    *)
@@ -286,13 +351,13 @@ Init == /\ next = [r \in Ranks |-> 1]
 Fetch(r) ==
     /\ ~done
     /\ LET room == Depth - Cardinality(Q[r]) - (Len(B[r]) - Cardinality(H[r]))
-           avail == IF StreamOn THEN (IF EndKnown(r) THEN 0 ELSE room) ELSE NV[r] - next[r] + 1
+           avail == IF StreamOn THEN (IF EndKnown(r) THEN 0 ELSE room) ELSE NVr(r) - next[r] + 1
            take == IF room < avail THEN room ELSE avail
            last == next[r] + take - 1
        IN /\ take > 0
           /\ Q' = [Q EXCEPT ![r] = @ \cup StreamFetched(r, last)]
           /\ next' = [next EXCEPT ![r] = IF StreamOn /\ last > NV[r] THEN NV[r] + 2 ELSE last + 1]
-    /\ UNCHANGED <<B, E, H, consumed, lastStep, lastOut, rounds, done>>
+    /\ UNCHANGED <<B, E, H, consumed, lastStep, lastOut, rounds, done, pc, claimed>>
 
 (* One in-flight sample arrives, in any order: Q -> B.                     *)
 Drain(r, p) ==
@@ -300,13 +365,13 @@ Drain(r, p) ==
     /\ p \in Q[r]
     /\ Q' = [Q EXCEPT ![r] = @ \ {p}]
     /\ B' = [B EXCEPT ![r] = Append(@, p)]
-    /\ UNCHANGED <<next, E, H, consumed, lastStep, lastOut, rounds, done>>
+    /\ UNCHANGED <<next, E, H, consumed, lastStep, lastOut, rounds, done, pc, claimed>>
 
 EndIteration ==
     IF JoinMode \/ ~ChainOn
     THEN /\ done' = TRUE
          /\ lastOut' = [r \in Ranks |-> <<>>]
-         /\ UNCHANGED <<next, Q, B, E, H, consumed, lastStep, rounds>>
+         /\ UNCHANGED <<next, Q, B, E, H, consumed, lastStep, rounds, pc, claimed>>
     ELSE \* non-join: the trainer chains the next logical iteration
          /\ next' = [r \in Ranks |-> 1]
          /\ Q' = [r \in Ranks |-> {}]
@@ -315,11 +380,11 @@ EndIteration ==
          /\ H' = [r \in Ranks |-> {}]
          /\ rounds' = 0
          /\ lastOut' = [r \in Ranks |-> <<>>]
-         /\ UNCHANGED <<consumed, lastStep, done>>
+         /\ UNCHANGED <<consumed, lastStep, done, pc, claimed>>
 
 (* Values are bound with \E x \in {e} rather than LET so TLC computes them *)
 (* once per step, also when it checks fairness (LET is re-evaluated there). *)
-Emit(st, gs, hs, T, O(_, _)) ==
+Emit(st, gs, hs, T, O(_, _), c) ==
     \E kh \in {[r \in Ranks |-> IF st[r] = "ready" THEN StillHeld(gs[r], hs[r], T) ELSE {}]} :
     \E al \in {[r \in Ranks |-> IF st[r] = "ready" THEN AlignOp(r, Pick(gs[r], DOMAIN gs[r] \ kh[r]), T)
                                 ELSE [i \in 1..T |-> <<>>]]} :
@@ -340,6 +405,7 @@ Emit(st, gs, hs, T, O(_, _)) ==
           ELSE /\ consumed' = consumed + cum[k]
                /\ lastStep' = step[k]
                /\ done' = (consumed + cum[k] >= Quota)
+       /\ ClaimWith(c)
        /\ UNCHANGED <<next, Q>>
 
 (* One atomic round for all ranks: header gather, align, step gather, emit.*)
@@ -355,10 +421,12 @@ GatherWith(P(_), O(_, _)) ==
           IF IF JoinMode THEN \A r \in Ranks : st[r] = "finished"
              ELSE \E r \in Ranks : st[r] = "finished"
           THEN EndIteration
-          ELSE IF T = 0
-          THEN /\ lastOut' = [r \in Ranks |-> <<>>]
-               /\ UNCHANGED <<next, Q, B, E, H, consumed, lastStep, rounds, done>>
-          ELSE Emit(st, gs, hs, T, O)
+          ELSE \E c \in {Claims} :
+               IF T = 0
+               THEN /\ lastOut' = [r \in Ranks |-> <<>>]
+                    /\ ClaimWith(c)
+                    /\ UNCHANGED <<next, Q, B, E, H, consumed, lastStep, rounds, done>>
+               ELSE Emit(st, gs, hs, T, O, c)
 Gather == GatherWith(Packing, Orders)
 
 Terminating == done /\ UNCHANGED vars
@@ -383,7 +451,8 @@ SpecNoGatherFairness == Init /\ [][Next]_vars /\ WF_vars(DrainAny) /\ WF_vars(Fe
 ---------------------------------------------------------------------------
 (* Properties.                                                             *)
 TypeOK ==
-    /\ next \in [Ranks -> Nat] /\ \A r \in Ranks : next[r] \in 1..(NV[r] + IF StreamOn THEN 2 ELSE 1)
+    /\ next \in [Ranks -> Nat] /\ \A r \in Ranks : next[r] \in 1..(NVr(r) + IF StreamOn THEN 2 ELSE 1)
+    /\ pc \in 0..Len(Pool) /\ \A r \in Ranks : claimed[r] \in Seq(1..Len(Pool))
     /\ \A r \in Ranks : Q[r] \subseteq Views(r) /\ E[r] \subseteq Views(r) /\ H[r] \subseteq Views(r)
     /\ \A r \in Ranks : B[r] \in Seq(Views(r))
     /\ consumed \in Nat /\ lastStep \in Nat /\ rounds \in Nat /\ done \in BOOLEAN
@@ -420,7 +489,11 @@ WithinCapacity == Capacity > 0 => \A r \in Ranks : Len(lastOut[r]) <= Capacity
 BRuleAdmissible == \A r \in Ranks : Status(r) = "ready" => Admissible(r, Packing(r))
 
 \* P4 Join coverage: at termination every view was emitted.
-JoinCoverage == (JoinMode /\ done) => \A r \in Ranks : E[r] = Views(r)
+JoinCoverage == (JoinMode /\ done) => pc = Len(Pool) /\ \A r \in Ranks : E[r] = Views(r)
+
+\* The shared tail: the claimed pool indices are 1..pc, each claimed by one rank once.
+PoolOnce == /\ SumSeq([r \in Ranks |-> Len(claimed[r])]) = pc
+            /\ UNION {Range(claimed[r]) : r \in Ranks} = 1..pc
 
 \* P5 Quota closure: N <= S_emit < N + last step (so <= N + S_max).
 QuotaClosure == (~JoinMode /\ done) =>
@@ -428,7 +501,7 @@ QuotaClosure == (~JoinMode /\ done) =>
                     /\ (Quota > 0 => consumed - lastStep < Quota)
 
 \* Round bound: each emitting round emits >= 1 view.
-RoundBound == rounds <= SumSeq(NV)
+RoundBound == rounds <= SumSeq(NV) + Len(Pool)
 
 \* P6 Termination.
 Termination == <>done

@@ -23,12 +23,14 @@ EXTENDS Naturals, Sequences, TLC, TraceData
 VARIABLES t, i, fail
 
 Tr == Traces[t]
-odb == <<next, Q, B, E, H, consumed, lastStep, lastOut, rounds, done>>
+odb == <<next, Q, B, E, H, consumed, lastStep, lastOut, rounds, done, pc, claimed>>
 
 Is(s) == /\ next = s.next /\ Q = s.Q /\ B = s.B /\ E = s.E /\ H = s.H /\ consumed = s.consumed
          /\ lastStep = s.lastStep /\ lastOut = s.lastOut /\ rounds = s.rounds /\ done = s.done
+         /\ pc = s.pc /\ claimed = s.claimed
 IsNext(s) == /\ next' = s.next /\ Q' = s.Q /\ B' = s.B /\ E' = s.E /\ H' = s.H /\ consumed' = s.consumed
              /\ lastStep' = s.lastStep /\ lastOut' = s.lastOut /\ rounds' = s.rounds /\ done' = s.done
+             /\ pc' = s.pc /\ claimed' = s.claimed
 
 (* What is wrong with state i of trace t: the invariants it violates and,  *)
 (* as its last state when the run completed, "Done" if the epoch is not    *)

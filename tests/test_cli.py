@@ -70,3 +70,15 @@ def test_simulate_packed_budget_packs_fuller_groups_in_lockstep():
     assert len(set(packed["steps_per_rank"])) == 1
     assert packed["budget_fill"] > padded["budget_fill"] and packed["steps_per_rank"][0] < padded["steps_per_rank"][0]
     assert packed["over_budget_singletons"] == padded["over_budget_singletons"] > 0
+
+
+def test_simulate_shared_tail_cuts_the_alignment_overhead_and_keeps_coverage():
+    """A 5% pool against none on the same sharegpt4o lengths at W=8: fewer idle steps (the join
+    tail), every view still emitted once (P4), ranks in lockstep (P2); non-join refuses it."""
+    args = ("simulate", "--world", "8", "--samples", "40000", "--lengths", "sharegpt4o", "--json")
+    pooled, plain = (json.loads(odb(*args, *extra).stdout) for extra in (("--shared-tail", "0.05"), ()))
+    assert pooled["alignment_overhead"] < plain["alignment_overhead"] / 2
+    assert pooled["unique_identities"] == plain["unique_identities"] == 40000 and pooled["duplicate_emits"] == 0
+    assert len(set(pooled["steps_per_rank"])) == 1
+    out = odb("simulate", "--mode", "non-join", "--shared-tail", "0.05", "--samples", "100", check=False)
+    assert out.returncode != 0 and "shared_tail" in out.stderr

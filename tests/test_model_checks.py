@@ -120,6 +120,27 @@ def test_state_space_comparison_tells_min_from_balanced(monkeypatch):
     assert not result.states_equal and not result.transitions_included
 
 
+def test_state_space_comparison_catches_a_core_that_deals_the_pool_otherwise(monkeypatch):
+    """The shared tail: the core's claims equal the spec's (join_2_pool: 548 states), and a core
+    that hands the pool to the first rank with nothing pending instead of filling the least
+    loaded ones leaves the spec's state space."""
+    import odb_core.epoch as epoch
+
+    (scenario,) = [s for s in conformance.STATE_SPACE_SCENARIOS if s.name == "join_2_pool"]
+    assert conformance.compare_state_spaces(scenario).states_equal
+
+    def first_takes_all(pending, load, samples, left, cap):
+        out = [0] * len(pending)
+        free = [r for r, p in enumerate(pending) if p == 0]
+        if free:
+            out[free[0]] = min(cap, left)
+        return out
+
+    monkeypatch.setattr(epoch, "tail_claims", first_takes_all)
+    result = conformance.compare_state_spaces(scenario)
+    assert not result.states_equal and not result.transitions_included
+
+
 def test_simulator_traces_replay_as_spec_behaviours():
     traces = conformance.clean_traces(200)  # `odb check` replays more; 200 already cover every kind of step
     schedules = {t.schedule for t in traces}
@@ -128,7 +149,7 @@ def test_simulator_traces_replay_as_spec_behaviours():
     assert {t.scenario.budget_kind for t in traces} == {"padded", "packed"}
     held = conformance.VARIABLES.index("H")
     assert any(any(st[held]) for t in traces for st in t.states), "no trace holds a group back to regroup"
-    # every kind of step occurs: fetch, drain, gather, split, overflow, hold, skip, chain, end
+    # every kind of step occurs: fetch, drain, gather, split, overflow, hold, skip, chain, end, claim
     trace_validation.require_coverage(traces)
     # every invariant on every state, the B(l) grouping at every gather, done at the end
     rejected = [v for v in trace_validation.replay(traces, batch=TRACE_BATCH) if not v.accepted]

@@ -119,7 +119,8 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
                                sampler=ShardSampler(task["shards"][rank]) if "shards" in task else None,
                                skip_idle=task.get("skip_idle", False), shuffle=task.get("shuffle", True),
                                target_policy=task.get("target_policy", "balanced"),
-                               queue_size=task.get("queue_size", 8))
+                               queue_size=task.get("queue_size", 8),
+                               **({"shared_tail": task["shared_tail"]} if "shared_tail" in task else {}))
         try:
             if task["kind"] == "audit":
                 result["epochs"] = []

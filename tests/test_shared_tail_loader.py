@@ -1,0 +1,113 @@
+"""The shared tail in the loader: real Gloo ranks claim the pool's views as their own run out,
+and the epoch still trains every view exactly once in lockstep (P2, P4); settings it cannot
+serve are refused, typed, before anything starts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from test_torch_loader import run_ranks
+from torch.utils.data import DistributedSampler
+from torch_support import ToyDataset, check_real_traces, sample_length
+
+from odb_core.errors import UnsupportedSettingError
+from odb_torch import ODBDataLoader, pad_collate
+from odb_torch.elastic import global_order
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_pooled_epochs_train_every_view_once_in_lockstep_and_replay_in_tlc(tmp_path):
+    """P2, P3, P4 with a pool, over two epochs (each cuts its own pool from its order), and the
+    run's traces, claims included, are behaviours of the spec (TLC, every invariant)."""
+    n, world, tail = 113, 3, 0.3
+    results = run_ranks(world, {"kind": "audit", "n": n, "epochs": 2, "workers": 1, "shared_tail": tail}, tmp_path,
+                        trace=True)
+    for r in results:
+        assert "error" not in r, r
+    k = int(n * tail)
+    for epoch in range(2):
+        steps = [r["epochs"][epoch] for r in results]
+        assert len({len(s) for s in steps}) == 1, "P2: ranks yielded different step counts"
+        per_rank = [[i for x in s for i in x["ids"]] for s in steps]
+        ids = [i for rank_ids in per_rank for i in rank_ids]
+        assert set(ids) == set(range(n)), "P4: a dataset index was never yielded"
+        assert len(ids) == k + world * math.ceil((n - k) / world), "P4: views lost or duplicated beyond padding"
+        pool = set(global_order(DistributedSampler(ToyDataset(n), 1, 0, seed=0), epoch, 1)[n - k:])
+        takers = [r for r, rank_ids in enumerate(per_rank) if pool & set(rank_ids)]
+        assert len(takers) > 1, f"epoch {epoch}: the pool went to ranks {takers} only"
+        for s in steps:
+            for x in s:
+                if not x["idle"] and x["size"] >= 2:
+                    assert x["longest"] * x["size"] <= 128, "P3: a multi-sample batch exceeds the budget"
+                assert x["over"] == (x["size"] == 1 and not x["idle"] and sample_length(x["ids"][0]) > 128)
+    check_real_traces(tmp_path / "traces", require=("fetch", "drain", "gather", "claim"))
+
+
+class _Order(DistributedSampler):  # type: ignore[type-arg]
+    """A DistributedSampler subclass: its global order is its own business."""
+
+
+@pytest.mark.parametrize("sampler", ["subclass", "drop_last"])
+def test_a_sampler_whose_global_order_is_unknown_is_refused_with_a_pool(sampler):
+    ds = ToyDataset(20)
+    given = _Order(ds, 2, 1) if sampler == "subclass" else DistributedSampler(ds, 2, 1, drop_last=True)
+    with pytest.raises(UnsupportedSettingError) as caught:
+        ODBDataLoader(ds, token_budget=64, rank=1, world_size=2, sampler=given, shared_tail=0.1)
+    assert (caught.value.field, caught.value.rank) == ("shared_tail", 1)
+
+
+def test_a_mid_epoch_resume_of_a_pooled_loader_is_refused_not_lossy():
+    """P4: a rank's claimed, unyielded pool views are known to it alone, so a mid-epoch resume is
+    refused (an epoch-boundary state, nothing consumed, resumes)."""
+    loader = ODBDataLoader(ToyDataset(20), token_budget=64, rank=0, world_size=1, shared_tail=0.2)
+    state = {"epoch": 1, "steps": 2, "consumed": [0, 1], "rank": 0, "world_size": 1, "seed": 0}
+    with pytest.raises(UnsupportedSettingError) as caught:
+        loader.load_state_dict(state)
+    assert (caught.value.field, caught.value.rank) == ("shared_tail", 0)
+    loader.load_state_dict({**state, "consumed": [], "steps": 0})
+    assert loader.epoch == 1
+    loader.close()
+
+
+def test_a_pooled_mid_epoch_state_is_refused_by_any_loader_and_by_merge_states():
+    """P4: a pooled state's positions index the pooled order, so a loader without a pool must not
+    read them as its own shard's (it lost and repeated views: found in review), nor merge them."""
+    from odb_core.elastic import merge_states
+    from odb_core.errors import ResumeStateError
+
+    state = {"epoch": 1, "steps": 2, "consumed": [0, 1], "rank": 0, "world_size": 1, "seed": 0, "shared_tail": 0.2,
+             "order_world": 1, "total": 20, "shuffle": 1, "sampler_seed": 0}
+    plain = ODBDataLoader(ToyDataset(20), token_budget=64, rank=0, world_size=1)
+    for given in (state, [state]):
+        with pytest.raises(UnsupportedSettingError) as caught:
+            plain.load_state_dict(given)
+        assert (caught.value.field, caught.value.rank) == ("shared_tail", 0)
+    plain.close()
+    with pytest.raises(ResumeStateError) as merged:
+        merge_states([state])
+    assert (merged.value.field, tuple(merged.value.ranks)) == ("shared_tail", (0,))
+
+
+@pytest.mark.timeout(120)
+def test_an_epoch_start_state_of_a_pooled_loader_resumes_as_a_list_every_view_once():
+    """The list (elastic) form of an epoch-start state resumes a pooled loader over the whole
+    epoch, its pool cut anew (it used to wrap the sampler and refuse every later epoch)."""
+    n = 30
+    options = {"token_budget": 64, "collate_fn": pad_collate, "rank": 0, "world_size": 1, "num_workers": 0,
+               "shared_tail": 0.3}
+    first = ODBDataLoader(ToyDataset(n), **options)
+    first.set_epoch(1)
+    state = first.state_dict()
+    first.close()
+    loader = ODBDataLoader(ToyDataset(n), **options)
+    try:
+        loader.load_state_dict([state])
+        assert loader.epoch == 1
+        for epoch in (1, 2):
+            loader.set_epoch(epoch)
+            ids = [i for batch in loader for i in batch["idx"].tolist()]
+            assert sorted(ids) == list(range(n)), f"P4: epoch {epoch} must yield every view once"
+    finally:
+        loader.close()
