@@ -221,6 +221,11 @@ class RankProtocol:
         return set(self._held)
 
     @property
+    def header_length(self) -> int:
+        """Values per header on the wire: ``TAIL_HEADER_LEN`` with a shared tail, else ``HEADER_LEN``."""
+        return self._header_len
+
+    @property
     def headers(self) -> HeaderGather:
         """The last round's gathered headers (decoded)."""
         return self._headers

@@ -96,7 +96,8 @@ def gather_round(drivers: Sequence[EpochDriver]) -> tuple[bool, list[list[Step]]
     """
     vectors = [d.begin_round() for d in drivers]
     p = drivers[0].protocol
-    headers = _shared(lambda: HeaderGather.decode(vectors, len(drivers), p.iteration, p.round) if p else None)
+    headers = _shared(lambda: HeaderGather.decode(vectors, len(drivers), p.iteration, p.round, p.header_length)
+                      if p else None)
     plans = [d.on_headers(vectors if headers is None else headers) for d in drivers]
     if plans[0].done or plans[0].step_vector is None:
         return plans[0].done, [[] for _ in drivers]

@@ -98,8 +98,10 @@ CASE = {"world": 5, "lengths": lengths_from_seed(120, 1000, 3, 0.0), "tokens": N
         "config": ODBConfig(token_budget=1000, buffer_size=6), "schedule": "random", "mutant": None}
 
 
-def test_simulated_ranks_share_one_decoding_per_gather(monkeypatch):
-    """The sharing is real: a gather is decoded once, not once per rank."""
+@pytest.mark.parametrize("shared_tail", [0.0, 0.3])
+def test_simulated_ranks_share_one_decoding_per_gather(monkeypatch, shared_tail):
+    """The sharing is real: a gather is decoded once, not once per rank, also with a shared
+    tail's longer headers (decoded at the default length, every rank decoded its own: O(W^2))."""
     calls = {"headers": 0, "steps": 0}
     decode, init = wire.HeaderGather.decode.__func__, wire.StepGather.__init__
 
@@ -113,7 +115,8 @@ def test_simulated_ranks_share_one_decoding_per_gather(monkeypatch):
 
     monkeypatch.setattr(wire.HeaderGather, "decode", classmethod(counting_decode))
     monkeypatch.setattr(wire.StepGather, "__init__", counting_init)
-    result = simulate(CASE["lengths"], CASE["world"], CASE["config"], CASE["schedule"])
+    config = CASE["config"].model_copy(update={"shared_tail": shared_tail})
+    result = simulate(CASE["lengths"], CASE["world"], config, CASE["schedule"])
     assert calls["headers"] == result.rounds
     emitting = {(s.iteration, s.round) for s in result.steps[0]}  # every rank emits T >= 1 items in those
     assert calls["steps"] == len(emitting) > 1
