@@ -4,6 +4,7 @@ simulator's wall time, for W up to 4096 (not a test; prints tables; docs/scale.m
     .venv/bin/python benchmarks/bench_scale.py             # W = 8 ... 4096 (about 10 min on 2 cores)
     .venv/bin/python benchmarks/bench_scale.py --quick     # W = 8 ... 1024, smaller runs (about 1 min)
     .venv/bin/python benchmarks/bench_scale.py --overhead  # only the alignment overhead vs W (long)
+    .venv/bin/python benchmarks/bench_scale.py --overhead --shared-tail 0.05  # the same with a pool
 
 **Protocol CPU per round per rank.** W :class:`~odb_core.epoch.EpochDriver` s (budget 8192,
 buffer 1024, every other setting the default), each over its own 2 x buffer samples of the
@@ -170,6 +171,8 @@ def main() -> None:
     ap.add_argument("--overhead", action="store_true", help="only the alignment overhead vs W")
     ap.add_argument("--tail", action="store_true", help="only the alignment overhead's tail estimate vs W")
     ap.add_argument("--per-rank", default="25000", help="--overhead/--tail: comma-separated samples per rank")
+    ap.add_argument("--shared-tail", type=float, default=0.0,
+                    help="--overhead: the shared tail's pool fraction (ODBConfig.shared_tail; default 0, none)")
     ap.add_argument("--seeds", default="0", help="--overhead: comma-separated seeds (lengths and sampler)")
     args = ap.parse_args()
     default_worlds = "8,64,256,1024" if args.quick else "8,64,256,1024,4096"
@@ -181,7 +184,7 @@ def main() -> None:
         return
     if args.overhead:
         overhead(worlds if args.worlds else [8, 64, 256, 1024], [int(n) for n in args.per_rank.split(",")],
-                 [int(s) for s in args.seeds.split(",")], args.buffer, args.budget)
+                 [int(s) for s in args.seeds.split(",")], args.buffer, args.budget, args.shared_tail)
         return
 
     reps = args.reps or (3 if args.quick else 5)
@@ -215,14 +218,16 @@ def main() -> None:
               f"{row['sent']:,.0f} |", flush=True)
 
 
-def overhead(worlds: list[int], per_rank: list[int], seeds: list[int], buffer: int, budget: int) -> None:
+def overhead(worlds: list[int], per_rank: list[int], seeds: list[int], buffer: int, budget: int,
+             shared_tail: float = 0.0) -> None:
     """Alignment overhead (and what drives it) vs W at equal samples per rank."""
-    print(f"## Alignment overhead vs W (sharegpt4o, join, budget {budget}, buffer {buffer}, defaults)\n")
+    print(f"## Alignment overhead vs W (sharegpt4o, join, budget {budget}, buffer {buffer}, shared tail "
+          f"{shared_tail:g}, defaults)\n")
     print("| W | samples/rank | seed | alignment overhead | steps/rank | idle steps (all ranks) | rounds | skip rounds "
           "| padding | sim s | audit s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n, seed, world in ((n, seed, world) for n in per_rank for seed in seeds for world in worlds):
-        config = ODBConfig(token_budget=budget, buffer_size=buffer, seed=seed)
+        config = ODBConfig(token_budget=budget, buffer_size=buffer, seed=seed, shared_tail=shared_tail)
         lengths = sample_lengths("sharegpt4o", n * world, seed)
         t0 = time.perf_counter()
         result = simulate(lengths, world, config)
