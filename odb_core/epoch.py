@@ -33,6 +33,7 @@ import hashlib
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 from odb_core.config import ODBConfig
@@ -46,7 +47,7 @@ from odb_core.errors import (
 from odb_core.protocol import CHAIN_STRIDE, Plan, RankProtocol, Step
 from odb_core.quota import QuotaTracker
 from odb_core.tail import tail_claims
-from odb_core.wire import GatheredBytes, HeaderGather, Status, StepGather
+from odb_core.wire import GatheredBytes, Header, HeaderGather, Status, StepGather
 
 HELLO_MAGIC = 0x0DB1
 """First value of the handshake vector (a peer running another wire format is caught)."""
@@ -55,6 +56,22 @@ PROTOCOL_FIELDS = ("token_budget", "budget", "buffer_size", "depth", "mode", "lo
                    "overflow_policy", "output_capacity", "regroup_padding", "shuffle_steps", "shared_tail")
 """The :class:`ODBConfig` fields every rank must share (the handshake compares them, and names
 the first that differs: ``budget`` before ``target_policy``, whose default follows it)."""
+
+
+@dataclass(frozen=True)
+class ClaimRule:
+    """The shared tail's claims of one round for ``left`` pool views, at most ``cap`` each
+    (:func:`~odb_core.tail.tail_claims`), with their prefix sums: a pure function of the
+    gathered headers, so simulated ranks sharing a gather compute it once
+    (:meth:`~odb_core.wire.HeaderGather.derived`, keyed by this value)."""
+
+    left: int
+    cap: int
+
+    def __call__(self, hs: Sequence[Header]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        counts = tail_claims([h.pending for h in hs], [h.load for h in hs], [h.samples for h in hs], self.left,
+                             self.cap)
+        return tuple(counts), tuple(accumulate(counts, initial=0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +148,7 @@ class EpochDriver:
         self.last_out: tuple[tuple[int, ...], ...] = ()  # positions of each item of the last gather
         self.loop_ended = False
         self.done = self.quota is not None and self.quota.reached
-        self.pool: list[int] = []  # the shared tail's views (identities), in sampler order
+        self.pool: tuple[int, ...] = ()  # the shared tail's views (identities), in sampler order
         self.pool_cursor = 0  # pool views claimed so far (by every rank)
         self._claim: tuple[int, int] = (0, 0)  # this round's own claim: (first pool index, count)
         self._pool_base = 0  # the sampler position of pool view 0 (after this rank's own views)
@@ -192,7 +209,8 @@ class EpochDriver:
             raise UnsupportedSettingError(
                 f"rank {self.rank}: a shared-tail pool needs shared_tail > 0, views given as a list and no resume "
                 "skip (resuming a pooled epoch is not supported yet)", field="shared_tail", rank=self.rank)
-        self.pool, self.pool_cursor, self._pool_base = list(pool), 0, len(order)
+        self.pool = pool if isinstance(pool, tuple) else tuple(pool)  # ranks may share one pool: read only
+        self.pool_cursor, self._pool_base = 0, len(order)
         self.iteration += 1
         self.kept = [p for p in range(len(order)) if p not in self.skip] if self.join else list(range(len(order)))
         views = [order[p] for p in self.kept]
@@ -281,11 +299,9 @@ class EpochDriver:
     def _plan_claims(self, proto: RankProtocol) -> None:
         """The shared tail: every rank's claims from the gathered headers (the same on every rank,
         P8), this rank's kept for after the round's emission."""
-        hs = proto.headers
-        counts = tail_claims([h.pending for h in hs], [h.load for h in hs], [h.samples for h in hs],
-                             len(self.pool) - self.pool_cursor, self.config.buffer_size)
-        self._claim = (self.pool_cursor + sum(counts[: self.rank]), counts[self.rank])
-        self.pool_cursor += sum(counts)
+        counts, before = proto.headers.derived(ClaimRule(len(self.pool) - self.pool_cursor, self.config.buffer_size))
+        self._claim = (self.pool_cursor + before[self.rank], counts[self.rank])
+        self.pool_cursor += before[-1]
 
     @property
     def claimed_pool(self) -> tuple[int, ...]:

@@ -197,7 +197,8 @@ def _start_iterations(drivers: list[EpochDriver], n: int, shuffle: bool, schedul
     epoch = drivers[0].sampler_epoch
     config = drivers[0].config
     order = permutation(n, config.seed, epoch or 0, shuffle)
-    own, pool = split_tail(order, config.shared_tail)
+    own, pool_list = split_tail(order, config.shared_tail)
+    pool = tuple(pool_list)  # one pool every driver reads
     shards = shard(own, len(drivers), schedule, config.seed)
     result.shards.append(shards)
     if epoch is not None:  # None: a quota of 0 ends the epoch before it starts
