@@ -22,7 +22,7 @@ def test_a_pooled_epoch_trains_every_view_once_in_lockstep_and_replays_in_tlc(tm
     """P2, P3, P4 with a pool on real Gloo ranks, and the run's traces, claims included, are
     behaviours of the spec (TLC, every invariant). Later epochs cut their own pools: the
     single-rank resume test below runs two."""
-    n, world, tail = 113, 3, 0.3
+    n, world, tail = 113, 2, 0.3
     results = run_ranks(world, {"kind": "audit", "n": n, "epochs": 1, "workers": 1, "shared_tail": tail}, tmp_path,
                         trace=True)
     for r in results:
