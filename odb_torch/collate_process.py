@@ -347,9 +347,6 @@ class CollateServer:
             if not driver.needs_arrivals():
                 return
             chunk = next(loads, None)
-            if chunk is None and driver.pool and len(driver.views) > self._scheduled:  # the shared tail's claims
-                loads = self._claim_loads(driver)
-                chunk = next(loads, None)
             if chunk is None:
                 raise CollateProcessError(f"rank {self.spec.rank}: the data loader ended before every "
                                           "fetched view arrived", rank=self.spec.rank)
@@ -384,16 +381,16 @@ class CollateServer:
             assert packed.measures is not None
             yield list(zip(chunk, unpack(packed), packed.measures))
 
-    def _claim_loads(self, driver: EpochDriver) -> Iterator[list[tuple[int, Any, tuple[int, int]]]]:
-        """The loads of the pool views this rank claimed since its loads last started (P4: every
-        claimed view is loaded, after its own views, in position order). A rank claims only with
-        every earlier view arrived, so the loads it replaces have nothing left to yield."""
+    def _claim_loads(self, driver: EpochDriver) -> None:
+        """Start the loads of the pool views this rank claimed in the round just gathered (P4:
+        every claimed view is loaded, after its own views, in position order). Claims are applied
+        only inside a round's gathers, so :meth:`_round` calls this after each; a rank claims only
+        with every earlier view arrived, so the loads it replaces have nothing left to yield."""
         self._close_loading()
         claimed = range(self._scheduled, len(driver.views))
         self._scheduled = len(driver.views)
         self._loading = self._loads(list(driver.views), claimed)
         next(self._loading)
-        return self._loading
 
     def _next_chunk(self, it: Iterator[PackedChunk], indices: list[int]) -> PackedChunk:
         """The next loaded chunk, or the typed error of its first bad sample (P4: none is skipped)."""
