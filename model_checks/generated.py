@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from model_checks.conformance import to_tla
+from model_checks.conformance import to_tla, wrap_tla
 from model_checks.tla import SPEC_DIR, jar_path, java
 
 #: every invariant of ODB
@@ -128,7 +128,7 @@ def outcome(text: str) -> str:
 
 def model_module(name: str, extends: str, m: Model, extra: str = "") -> str:
     return (f"---- MODULE {name} ----\nEXTENDS {extends}\n"
-            + "".join(f"{name}_{k} == {to_tla(v)}\n" for k, v in m.constants().items()) + extra + "====\n")
+            + "".join(f"{name}_{k} == {wrap_tla(to_tla(v))}\n" for k, v in m.constants().items()) + extra + "====\n")
 
 
 def constants_cfg(name: str, m: Model) -> str:

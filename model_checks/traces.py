@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model_checks.conformance import VARIABLES, Scenario, Trace, Value, to_tla
+from model_checks.conformance import VARIABLES, Scenario, Trace, Value, to_tla, wrap_tla
 from model_checks.tla import SPEC_DIR, tlc
 from odb_core.config import BUDGETS, OVERFLOW_POLICIES, TARGET_POLICIES
 
@@ -234,10 +234,10 @@ def trace_module(traces: Sequence[Trace]) -> str:
     rows, defs = [], []
     names = tuple(Scenario("x", ()).constants())
     for k, tr in enumerate(traces, start=1):
-        cfg = to_tla(tr.scenario.constants())
-        states = ", ".join(to_tla(dict(zip(VARIABLES, st))) for st in tr.states)
-        packs = ", ".join(to_tla(p) for p in tr.packs)
-        acts = to_tla(tuple(actions_of(tr)))
+        cfg = wrap_tla(to_tla(tr.scenario.constants()))
+        states = ",\n  ".join(wrap_tla(to_tla(dict(zip(VARIABLES, st)))) for st in tr.states)
+        packs = ",\n  ".join(wrap_tla(to_tla(p)) for p in tr.packs)
+        acts = wrap_tla(to_tla(tuple(actions_of(tr))))
         rows.append(f"[cfg |-> {cfg}, complete |-> {to_tla(tr.complete)}, acts |-> {acts},\n"
                     f" states |-> <<{states}>>,\n packs |-> <<{packs}>>]")
         pooled = bool(tr.scenario.pool)

@@ -14,6 +14,8 @@ import dataclasses
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 
 from model_checks import conformance, traces
 from model_checks.conformance import VARIABLES, Trace
@@ -304,3 +306,28 @@ def test_strict_replay_rejects_seeded_bugs_and_says_why(monkeypatch):
     assert found["not-done"].reasons == ("Done",) and found["not-done"].state == len(pool[0].states) - 2
     assert verdicts[-1].reasons == ("Shape",) and not verdicts[-1].accepted
     print("\n".join(f"{name}: {v.describe()}" for name, v in found.items()))
+
+
+_values = hs.recursive(
+    hs.integers(-5, 10**6) | hs.booleans() | hs.sampled_from(["Fetch", "Drain", "padded"]),
+    lambda inner: hs.lists(inner, max_size=40).map(tuple)
+    | hs.frozensets(hs.integers(0, 10**4), max_size=40)
+    | hs.dictionaries(hs.sampled_from(["next", "Q", "cfg"]), inner, max_size=3),
+    max_leaves=400)
+
+
+@given(_values, hs.integers(8, 120))
+@settings(max_examples=200, deadline=None)
+def test_wrapped_tla_is_the_same_value_on_short_lines(value, width):
+    """wrap_tla only breaks lines after commas (SANY's lexer is quadratic in a line's
+    length): the text is the value's with line breaks, and no line passes ``width`` (its
+    comma aside) unless it holds a single element."""
+    text = conformance.wrap_tla(conformance.to_tla(value), width)
+    assert text.replace(",\n ", ", ") == conformance.to_tla(value)
+    for line in text.splitlines():
+        assert len(line) <= width + 1 or ", " not in line.strip(), line
+
+
+def test_wrap_tla_refuses_a_string_with_a_comma():
+    with pytest.raises(ValueError, match="comma"):
+        conformance.wrap_tla(conformance.to_tla(("a, b", 1)))
