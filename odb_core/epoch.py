@@ -46,7 +46,7 @@ from odb_core.errors import (
 )
 from odb_core.protocol import CHAIN_STRIDE, Plan, RankProtocol, Step
 from odb_core.quota import QuotaTracker
-from odb_core.tail import tail_claims
+from odb_core.tail import TailPosition, resumed_positions, tail_claims
 from odb_core.wire import GatheredBytes, Header, HeaderGather, Status, StepGather
 
 HELLO_MAGIC = 0x0DB1
@@ -109,6 +109,9 @@ class EpochDriver:
             non-join iteration; part of the step order's seed).
         quota: N, the non-join sample quota (the dataset size); ignored in join mode.
         skip: join mode, resume: sampler positions already consumed; they are left out.
+        tail: resume of a pooled epoch (``shared_tail`` > 0): the pool's cursor and this rank's
+            claims at the checkpoint's step (:class:`odb_core.tail.TailPosition`); its claimed
+            views not in ``skip`` are served again as its own, the pool goes on from the cursor.
         first_step: the number of the first delivery (a resumed epoch continues its count).
         skip_idle: end this rank's loop with :class:`LoopEnd` once it is finished (join only).
         trace: a list to append trace events to, or None (no cost).
@@ -125,7 +128,8 @@ class EpochDriver:
 
     def __init__(self, config: ODBConfig, rank: int, world: int, epoch: int = 0, *, quota: int | None = None,
                  skip: Sequence[int] = (), first_step: int = 0, skip_idle: bool = False,
-                 trace: list[dict[str, Any]] | None = None, stream: bool = False) -> None:
+                 trace: list[dict[str, Any]] | None = None, stream: bool = False,
+                 tail: TailPosition | None = None) -> None:
         self.config, self.rank, self.world, self.epoch = config, rank, world, epoch
         self.join = config.mode == "join"
         self.stream = stream
@@ -138,6 +142,7 @@ class EpochDriver:
             raise ValueError("non-join mode needs the sample quota N (the dataset size)")
         self.quota = None if self.join else QuotaTracker(quota or 0)
         self.skip = frozenset(skip)
+        self.tail = tail
         self.skip_idle = skip_idle and self.join
         self.trace = trace
         self.next_step = first_step
@@ -152,6 +157,8 @@ class EpochDriver:
         self.pool_cursor = 0  # pool views claimed so far (by every rank)
         self._claim: tuple[int, int] = (0, 0)  # this round's own claim: (first pool index, count)
         self._pool_base = 0  # the sampler position of pool view 0 (after this rank's own views)
+        self._pool_origin = 0  # the pool's cursor when the iteration began (a resumed pooled epoch's)
+        self._first_count = 0
         self._iteration_start = 0
         self._record(ev="begin", rank=rank, world=world, epoch=epoch, config=self._trace_config(),
                      quota=0 if self.quota is None else self.quota.quota)
@@ -205,22 +212,35 @@ class EpochDriver:
             raise ProtocolStateError(f"rank {self.rank}: start_iteration() while an iteration runs or after the end")
         if self.stream and len(order):
             raise ProtocolStateError(f"rank {self.rank}: a stream has no sampler order: start_iteration(())")
-        if pool and (self.stream or self.skip or not self.config.shared_tail):
+        if pool and (self.stream or not self.config.shared_tail or (self.skip and self.tail is None)):
             raise UnsupportedSettingError(
-                f"rank {self.rank}: a shared-tail pool needs shared_tail > 0, views given as a list and no resume "
-                "skip (resuming a pooled epoch is not supported yet)", field="shared_tail", rank=self.rank)
+                f"rank {self.rank}: a shared-tail pool needs shared_tail > 0, views given as a list, and to resume "
+                "mid-epoch the pool's position (tail)", field="shared_tail", rank=self.rank)
         self.pool = pool if isinstance(pool, tuple) else tuple(pool)  # ranks may share one pool: read only
-        self.pool_cursor, self._pool_base = 0, len(order)
+        self._pool_base = len(order)
         self.iteration += 1
-        self.kept = [p for p in range(len(order)) if p not in self.skip] if self.join else list(range(len(order)))
-        views = [order[p] for p in self.kept]
+        self.kept = self._first_positions(len(order))
+        views = [order[p] if p < len(order) else self.pool[p - len(order)] for p in self.kept]
+        self._pool_origin = self.pool_cursor  # a resumed pool goes on from its cursor (traces count from there)
+        self._first_count = len(self.kept)  # later positions are this iteration's claims
         self.protocol = self.protocol_cls(self.config, self.rank, self.world, views, iteration=self.iteration,
                                           epoch=self.epoch, stream=self._next_kept if self.stream else None,
-                                          pool_open=bool(self.pool))
+                                          pool_open=self.pool_cursor < len(self.pool))
         self.rounds, self.last_out = 0, ()
         self._iteration_start = self.quota.emitted if self.quota is not None else 0
         self._record(ev="iteration", iteration=self.iteration, views=-1 if self.stream else len(views),
-                     pool=len(self.pool))
+                     pool=len(self.pool) - self._pool_origin)
+
+    def _first_positions(self, own: int) -> list[int]:
+        """The sampler positions the iteration starts with: every one (non-join), those not in
+        ``skip`` (join), and a resumed pooled epoch's claimed views not yet yielded (P4)."""
+        self.pool_cursor = 0
+        if not self.join:
+            return list(range(own))
+        if self.pool and self.tail is not None:
+            self.pool_cursor = self.tail.cursor
+            return resumed_positions(own, len(self.pool), self.skip, self.tail, self.rank)
+        return [p for p in range(own) if p not in self.skip]
 
     @property
     def views(self) -> list[int]:
@@ -305,8 +325,12 @@ class EpochDriver:
 
     @property
     def claimed_pool(self) -> tuple[int, ...]:
-        """The pool indices this rank claimed in the current iteration, in order (applied claims)."""
-        return tuple(k - self._pool_base for k in self.kept if k >= self._pool_base) if self.pool else ()
+        """The pool indices this rank claimed in the epoch, in order (applied claims; a resumed
+        pooled epoch's start with those of its :class:`TailPosition`)."""
+        if not self.pool:
+            return ()
+        before = self.tail.claimed if self.tail is not None and self.join else ()
+        return before + tuple(k - self._pool_base for k in self.kept[self._first_count:])
 
     @property
     def pool_applied(self) -> int:
@@ -320,7 +344,8 @@ class EpochDriver:
             proto.claim(self.pool[start : start + count])
             self.kept.extend(range(self._pool_base + start, self._pool_base + start + count))
             # round: the gather that applies it (logged after a skip round's gather, before an emitting one's)
-            self._record(ev="claim", round=proto.round - 1, first=start, count=count, cursor=self.pool_cursor)
+            self._record(ev="claim", round=proto.round - 1, first=start - self._pool_origin, count=count,
+                         cursor=self.pool_cursor - self._pool_origin)
         self._claim = (0, 0)
         if self.pool and self.pool_cursor == len(self.pool) and not proto.ended:
             proto.close_pool()

@@ -22,6 +22,9 @@ The rule, in integers (so every rank computes it bit for bit):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+from odb_core.errors import ResumeStateError
 
 
 def tail_claims(pending: Sequence[int], load: Sequence[int], samples: Sequence[int], left: int, cap: int) -> list[int]:
@@ -54,3 +57,34 @@ def _level(work: Sequence[int], pool: int) -> int:
         else:
             lo = mid + 1
     return lo
+
+
+@dataclass(frozen=True, slots=True)
+class TailPosition:
+    """Where a pooled epoch stood at one step boundary, for its resume: ``cursor`` pool views
+    claimed by every rank so far (the same on every rank at one step), ``claimed`` this rank's
+    claims (pool indices, in claim order). Claims are deterministic per round (P8) and every
+    rank reports those of the rounds it yielded from, so the ranks' positions agree."""
+
+    cursor: int
+    claimed: tuple[int, ...]
+
+
+def resumed_positions(own: int, pool: int, skip: frozenset[int], tail: TailPosition, rank: int) -> list[int]:
+    """The sampler positions a rank serves when a pooled epoch resumes (P4 across the resume): its
+    own views (positions 0..own-1) and the pool views it had claimed (position ``own + j`` for
+    pool index j), less the consumed ``skip``; pool views from ``tail.cursor`` on stay in the
+    pool. :class:`ResumeStateError` if the position does not fit the epoch (a cursor outside the
+    pool, a claim at or past it or twice, a consumed pool view this rank never claimed)."""
+    claimed = set(tail.claimed)
+    if not 0 <= tail.cursor <= pool or len(claimed) != len(tail.claimed) or any(
+            not 0 <= j < tail.cursor for j in claimed):
+        raise ResumeStateError(f"rank {rank}: the checkpoint's pool position (cursor {tail.cursor}, claims "
+                               f"{list(tail.claimed)[:8]}) does not fit this epoch's pool of {pool} views",
+                               field="claimed", rank=rank, ranks=[rank])
+    stray = sorted(p for p in skip if p >= own and p - own not in claimed)
+    if stray:
+        raise ResumeStateError(f"rank {rank}: consumed positions {stray[:8]} are pool views this rank never claimed",
+                               field="consumed", rank=rank, ranks=[rank], indices=stray)
+    kept = [p for p in range(own) if p not in skip]
+    return kept + [own + j for j in tail.claimed if own + j not in skip]

@@ -1,0 +1,145 @@
+"""Resuming a pooled epoch mid-epoch (``shared_tail`` > 0), in the core: every rank's state at
+one step boundary (its consumed sampler positions and its :class:`TailPosition`: the pool's
+cursor and its claims as of the round of its last step) resumes on the same ranks, and the
+views yielded before and after cover the epoch exactly once (P4), with equal steps per run
+(P2). Seeded bugs in the resume (claimed views not served again; the pool dealt again from its
+start) are caught by the property; a position that does not fit the epoch is a typed error."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from odb_core import ODBConfig
+from odb_core import epoch as epoch_module
+from odb_core.epoch import Delivery, EpochDriver
+from odb_core.errors import ResumeStateError
+from odb_core.sampler import permutation, shard_views, split_tail
+from odb_core.tail import TailPosition, resumed_positions
+
+Case = tuple[list[int], int, ODBConfig, float]
+Record = tuple[tuple[int, ...], int, tuple[int, ...]]  # sampler positions, pool cursor, claims so far
+
+
+def run(drivers: Sequence[EpochDriver], lengths: Sequence[int]) -> list[list[Record]]:
+    """The rest of a pooled join epoch, every rank in lockstep; per rank, per delivered step: its
+    sampler positions and the rank's pool position after the round that delivered it."""
+    out: list[list[Record]] = [[] for _ in drivers]
+    for _ in range(20 * (len(lengths) + 10)):
+        for d in drivers:
+            for pos in d.fetch():
+                d.arrive(pos, lengths[d.views[pos]])
+        vectors = [d.begin_round() for d in drivers]
+        plans = [d.on_headers(vectors) for d in drivers]
+        if plans[0].done:
+            return out
+        if plans[0].step_vector is None:
+            continue
+        step_vectors = [p.step_vector or [] for p in plans]
+        for r, d in enumerate(drivers):
+            for o in d.on_steps(step_vectors):
+                if isinstance(o, Delivery):
+                    out[r].append((o.sampler_positions, d.pool_applied, d.claimed_pool))
+    raise AssertionError("the epoch did not end (P6)")
+
+
+def start(config: ODBConfig, world: int, n: int, skip: Sequence[Sequence[int]] = (),
+          tails: Sequence[TailPosition | None] = ()) -> tuple[list[EpochDriver], list[list[int]], tuple[int, ...]]:
+    order = permutation(n, config.seed, 0)
+    own, pool = split_tail(order, config.shared_tail)
+    drivers, views = [], []
+    for r in range(world):
+        d = EpochDriver(config, r, world, skip=skip[r] if skip else (), tail=tails[r] if tails else None)
+        views.append(shard_views(own, world, r))
+        d.start_iteration(views[r], tuple(pool))
+        drivers.append(d)
+    return drivers, views, tuple(pool)
+
+
+def identity(views: Sequence[int], pool: Sequence[int], p: int) -> int:
+    return views[p] if p < len(views) else pool[p - len(views)]
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> Case:
+    lengths = draw(st.lists(st.integers(1, 40), min_size=2, max_size=40))
+    config = ODBConfig(token_budget=draw(st.sampled_from([40, 80])), buffer_size=draw(st.integers(1, 6)),
+                       seed=3, shuffle_steps=False, shared_tail=draw(st.sampled_from([0.1, 0.3, 0.6])))
+    return lengths, draw(st.integers(1, 4)), config, draw(st.floats(0, 1))
+
+
+def check_resume(case: Case) -> None:
+    lengths, world, config, cut = case
+    drivers, views, pool = start(config, world, len(lengths))
+    first = run(drivers, lengths)
+    k = round(cut * len(first[0]))
+    skip = [[p for rec in first[r][:k] for p in rec[0]] for r in range(world)]
+    tails = [TailPosition(first[r][k - 1][1], first[r][k - 1][2]) if k else TailPosition(0, ()) for r in range(world)]
+    assert len({t.cursor for t in tails}) == 1, "every rank's state names the same pool cursor"
+    again, _, _ = start(config, world, len(lengths), skip, tails)
+    second = run(again, lengths)
+    assert len({len(s) for s in second}) == 1, "P2: every rank of the resumed run takes the same steps"
+    yielded = [identity(views[r], pool, p) for r in range(world) for recs in (first[r][:k], second[r])
+               for rec in recs for p in rec[0]]
+    epoch = [i for r in range(world) for i in views[r]] + list(pool)
+    assert Counter(yielded) == Counter(epoch), "P4 across the resume: every view of the epoch exactly once"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_a_pooled_epoch_resumed_mid_epoch_yields_every_view_exactly_once(case: Case) -> None:
+    check_resume(case)
+
+
+def forgets_claims(own: int, pool: int, skip: frozenset[int], tail: TailPosition, rank: int) -> list[int]:
+    """Seeded bug: the claimed views not yet yielded are not served again (lost)."""
+    return [p for p in resumed_positions(own, pool, skip, tail, rank) if p < own]
+
+
+class PoolFromStart(EpochDriver):
+    """Seeded bug: claimed views served again, but the pool is also dealt again from its start."""
+
+    def _first_positions(self, own: int) -> list[int]:
+        kept = super()._first_positions(own)
+        self.pool_cursor = 0
+        return kept
+
+
+def pool_from_start(monkeypatch: Any) -> None:
+    monkeypatch.setattr(f"{__name__}.EpochDriver", PoolFromStart)
+
+
+def forgets(monkeypatch: Any) -> None:
+    monkeypatch.setattr(epoch_module, "resumed_positions", forgets_claims)
+
+
+@pytest.mark.parametrize("bug", [forgets, pool_from_start])
+def test_the_property_catches_a_seeded_bug_in_the_pooled_resume(
+        bug: Callable[[Any], None], monkeypatch: Any) -> None:
+    bug(monkeypatch)
+
+    @settings(max_examples=200, deadline=None, database=None, report_multiple_bugs=False,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(cases())
+    def property_(case: Case) -> None:
+        check_resume(case)
+
+    with pytest.raises(AssertionError, match="P4"):
+        property_()
+
+
+@pytest.mark.parametrize(("tail", "skip", "field"), [
+    (TailPosition(5, ()), (), "claimed"),  # a cursor past the pool of 4
+    (TailPosition(2, (2,)), (), "claimed"),  # a claim at the cursor
+    (TailPosition(2, (1, 1)), (), "claimed"),  # a claim twice
+    (TailPosition(2, (1,)), (10,), "consumed"),  # pool view 0 (position 10) consumed, never claimed
+])
+def test_a_pooled_position_that_does_not_fit_the_epoch_is_a_typed_error(tail, skip, field):
+    with pytest.raises(ResumeStateError) as err:
+        resumed_positions(10, 4, frozenset(skip), tail, rank=1)
+    assert err.value.field == field and err.value.rank == 1
