@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from odb_core.errors import LoaderStateError, ResumeStateError, UnsupportedSettingError
+from odb_core.tail import TailPosition
 
 AGREED_FIELDS = ("epoch", "steps", "seed", "total", "order_world")
 """The fields every rank's state must share for a merge."""
@@ -158,7 +159,8 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> GlobalState:
     pooled = tail_pooled(states)
     if pooled:
         raise ResumeStateError(f"ranks {pooled}: their states lie inside a pooled epoch (shared_tail > 0), whose "
-                               "positions no merge can redistribute; resume from an epoch's start",
+                               "positions no merge can redistribute; resume each rank from its own state_dict on "
+                               "the same world size, or from an epoch's start",
                                field="shared_tail", ranks=pooled)
     _check_ranks(states)
     agreed = _agreed(states)
@@ -239,17 +241,33 @@ def tail_pooled(states: Sequence[Mapping[str, Any]], shared_tail: float = 0.0) -
             if (shared_tail or s.get("shared_tail")) and (s.get("consumed") or s.get("steps"))]
 
 
-def check_tail_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], shared_tail: float, rank: int) -> None:
-    """Resuming a pooled epoch (``ODBConfig.shared_tail`` > 0, in the state or in the loader that
-    resumes it): only from an epoch's start. Mid-epoch, the pool views a rank claimed and had
-    not yet yielded are known to that rank alone, and a pooled state's positions index the
-    pooled order (own shard, then claims), so no resume can deal them again exactly once (P4):
-    :class:`UnsupportedSettingError` rather than a silent loss. ``state``: one rank's
-    state_dict, every rank's, or a merged global state."""
+def tail_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], shared_tail: float, rank: int,
+                world: int) -> TailPosition | None:
+    """How a loader with ``shared_tail`` resumes ``state`` (one rank's state_dict, every rank's,
+    or a merged global state): None if no pooled epoch is under way in it (an epoch's start, or
+    no pool on either side); the :class:`TailPosition` of a pooled mid-epoch state of this
+    rank, taken at this world size with the same ``shared_tail`` (P4 across the resume:
+    :func:`odb_core.tail.resumed_positions`). Otherwise :class:`UnsupportedSettingError`
+    (``field="shared_tail"``), rather than a silent loss: the pool views a rank claimed and
+    had not yet yielded are in its own state alone, and its positions index the pooled order."""
     states = [state] if isinstance(state, Mapping) else list(state)
-    if tail_pooled(states, shared_tail):
-        raise UnsupportedSettingError(
-            f"rank {rank}: a state_dict taken inside a pooled epoch (shared_tail > 0) cannot be resumed: the "
-            "pool views a rank claimed and had not yet yielded are known to it alone. Checkpoint the loader "
-            "after set_epoch(e + 1), where nothing is consumed (a finished epoch's state_dict still names "
-            "epoch e and every view it consumed)", field="shared_tail", rank=rank)
+    if not tail_pooled(states, shared_tail):
+        return None
+    own = states[0] if isinstance(state, Mapping) and state.get("kind") != "odb-global" else None
+    if own is not None and own.get("shared_tail") == shared_tail and int(own.get("world_size", -1)) == world and (
+            "pool_cursor" in own and "claimed" in own):
+        return TailPosition(int(own["pool_cursor"]), tuple(int(j) for j in own["claimed"]))
+    recorded = own.get("shared_tail") if own is not None else None
+    if recorded and recorded != shared_tail:
+        why = (f"it was taken with shared_tail={recorded}, this loader has shared_tail={shared_tail}; build the "
+               "loader with the first run's shared_tail")
+    elif own is not None and not recorded:
+        why = "it was taken without a pool, whose positions index another order; resume with shared_tail=0"
+    elif own is not None and int(own.get("world_size", -1)) == world:
+        why = "it lacks the pool's position (pool_cursor, claimed): a state_dict of an older ODB"
+    else:
+        why = ("a pooled epoch resumes mid-epoch on the same world size only, each rank from its own state_dict: "
+               "the pool views a rank claimed and had not yet yielded are in its state alone")
+    raise UnsupportedSettingError(
+        f"rank {rank}: a state_dict taken inside a pooled epoch cannot be resumed here: {why}. Or checkpoint "
+        "after set_epoch(e + 1), where nothing is consumed", field="shared_tail", rank=rank)

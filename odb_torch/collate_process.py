@@ -42,6 +42,7 @@ from odb_core.errors import (
     PeerError,
     SampleLoadError,
 )
+from odb_core.tail import TailPosition
 from odb_torch.descriptors import ensure_descriptors
 from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, encode
 from odb_torch.process_guard import DieWithParent
@@ -152,6 +153,7 @@ class CollateServer:
         self._prepared: tuple[StartEpoch, EpochDriver] | None = None  # an epoch started before its handshake
         self._load_state: tuple[list[int], list[list[int]], int] | None = None  # views, chunks, next chunk
         self._scheduled = 0  # positions of the iteration whose loads are started (shared tail: claims later)
+        self._claims_sent = 0  # this rank's pool claims reported to the trainer (shared tail)
 
     # ---- the process ------------------------------------------------------------------
     def serve(self) -> None:
@@ -276,6 +278,7 @@ class CollateServer:
         spec = self.spec
         return spec.driver_cls(spec.config, spec.rank, spec.world, cmd.epoch, quota=len(spec.dataset),  # type: ignore[arg-type]
                                skip=cmd.skip, first_step=cmd.first_step, skip_idle=spec.skip_idle,
+                               tail=None if cmd.tail is None else TailPosition(cmd.tail[0], tuple(cmd.tail[1])),
                                trace=[] if self.trace_dir else None)
 
     def _start_iteration(self, driver: EpochDriver) -> None:
@@ -292,6 +295,7 @@ class CollateServer:
             driver.start_iteration([int(i) for i in self.sampler])
         self._close_loading()
         self._scheduled = len(driver.views)  # positions whose loads are started (claims come later)
+        self._claims_sent = len(driver.claimed_pool)  # a resumed pooled epoch's earlier claims: the trainer has them
         self._loading = self._loads(list(driver.views), range(self._scheduled))
         next(self._loading)  # runs up to iter(DataLoader): the workers start loading
         self._ahead, self._template = {}, None
@@ -440,8 +444,18 @@ class CollateServer:
             over_budget=s.over_budget, indices=s.identities,
         )
         self._flush_trace(driver)  # the trace covers every batch the trainer may have received
-        self._put(Batch(batch, info, item.sampler_positions))
+        self._put(Batch(batch, info, item.sampler_positions, tail=self._tail_report(driver)))
         return False
+
+    def _tail_report(self, driver: EpochDriver) -> tuple[int, tuple[int, ...]] | None:
+        """A pooled epoch: the pool's cursor after this round and this rank's claims not yet
+        reported to the trainer (every rank reports the claims of the rounds it yields from,
+        so the trainers' pool positions agree at every step)."""
+        if not driver.pool:
+            return None
+        claimed = driver.claimed_pool
+        new, self._claims_sent = claimed[self._claims_sent:], len(claimed)
+        return driver.pool_applied, new
 
     # ---- I/O helpers ------------------------------------------------------------------
     def _gather(self, values: list[int], what: str) -> list[list[int]]:

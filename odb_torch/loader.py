@@ -15,9 +15,10 @@ from torch.utils.data import Dataset, DistributedSampler, default_collate
 
 from odb_core import ODBConfig
 from odb_core.config import BudgetName, LossScaling, Mode, TargetPolicyName
-from odb_core.elastic import check_resumed_epoch, check_tail_resume
+from odb_core.elastic import check_resumed_epoch, tail_resume
 from odb_core.epoch import EpochDriver
 from odb_core.errors import CollateProcessError, LoaderStateError, PeerError, UnsupportedSettingError
+from odb_core.tail import TailPosition
 from odb_torch.collate_process import CollateSpec, collate_main
 from odb_torch.elastic import (
     ElasticEpoch,
@@ -205,6 +206,8 @@ class ODBDataLoader:
         self._stream_start: Any = None  # the loaded resume point, for the resumed epoch's StartEpoch
         self._consumed_ids: list[int] = []  # a stream's element_id identities of _consumed, in order
         self._resume: tuple[int, list[int], int] | None = None
+        self._tail_resume: TailPosition | None = None  # a loaded pooled position, for the resumed StartEpoch
+        self._tail = TailPosition(0, ())  # a pooled epoch's pool position at the last yielded step
         self._epoch_open = False  # an iteration started and has not reached its EpochEnd
         self._serial = 0  # epochs started by this loader (the same on every rank: names trace files)
         self._generation = 0  # bumped by every iter() and close(): older iterators are stale
@@ -226,6 +229,7 @@ class ODBDataLoader:
         at ``iter``)."""
         if epoch != self.epoch and self._resume is None:
             self._consumed, self._steps, self._consumed_ids = [], 0, []
+            self._tail = TailPosition(0, ())
             self._recent.clear()
             self._stream_point = None
         self.epoch = epoch
@@ -241,6 +245,9 @@ class ODBDataLoader:
         With a plain ``DistributedSampler`` it also records the epoch's global order (``total``,
         ``order_world``; after an elastic resume the global positions dealt to this rank,
         ``views``, and ``pool``), so that every rank's states resume on another world size.
+        With ``shared_tail`` it records the pool's cursor and this rank's claims (``pool_cursor``,
+        ``claimed``): a pooled epoch resumes mid-epoch on the same world size, each rank from its
+        own state (:func:`odb_core.elastic.tail_resume`).
         """
         if self.config.mode != "join":
             raise NotImplementedError("state_dict/load_state_dict resume mid-epoch in join mode only; "
@@ -266,8 +273,9 @@ class ODBDataLoader:
                 state["consumed_ids"] = self._consumed_ids[: len(consumed)]
         if isinstance(self.sampler, DistributedSampler):  # what fixes its order: every resume checks it
             state.update(order_fields(self.sampler))
-        if self.config.shared_tail:  # positions index the pooled order: resumable from an epoch's start only
-            state["shared_tail"] = self.config.shared_tail
+        if self.config.shared_tail:  # positions index the pooled order, resumable with the pool's position
+            state.update(shared_tail=self.config.shared_tail, pool_cursor=self._tail.cursor,
+                         claimed=list(self._tail.claimed))
         return state
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
@@ -283,7 +291,7 @@ class ODBDataLoader:
         """
         if self.config.mode != "join":
             raise NotImplementedError("load_state_dict resumes mid-epoch in join mode only")
-        check_tail_resume(state, self.config.shared_tail, self.rank)
+        tail = tail_resume(state, self.config.shared_tail, self.rank, self.world_size)
         if isinstance(self.sampler, StreamSampler):  # same world only (ResumeStateError otherwise)
             self._resume = stream_resume(state, self.rank, self.world_size, self.config.seed,
                                          self._spec.num_workers)
@@ -302,12 +310,14 @@ class ODBDataLoader:
             share = rank_share(state)
             self.epoch = int(state["epoch"])
             self._resume = (self.epoch, list(state["consumed"]), int(state["steps"]))
+            self._tail_resume = tail
         else:
             merged, share = plan_resume(self.sampler, self.rank, self.world_size, self.config.seed, state)
-            if self.config.shared_tail:  # nothing consumed (check_tail_resume): a whole epoch, the pool cut anew
+            if self.config.shared_tail:  # nothing consumed (tail_resume): a whole epoch, the pool cut anew
                 share = None
             self.epoch = merged.epoch
             self._resume = (self.epoch, [], merged.steps)
+            self._tail_resume = None
         if share is not None or self._elastic is not None:
             self.close()  # the collate process holds the sampler it started with
         self._elastic = share
@@ -319,6 +329,7 @@ class ODBDataLoader:
         assert self._resume is not None
         _, consumed, steps = self._resume
         self._consumed, self._steps = list(consumed), steps
+        self._tail = self._tail_resume or TailPosition(0, ())
         self._recent.clear()
         self._stream_point = self._stream_start
 
@@ -358,11 +369,13 @@ class ODBDataLoader:
         else:
             skip, first_step, start, self._stream_point = [], 0, None, None
             self._consumed_ids = []
-        self._resume = self._stream_start = None
+        tail, self._tail = self._tail_resume, self._tail_resume or TailPosition(0, ())
+        self._resume = self._stream_start = self._tail_resume = None
         self._consumed, self._steps = list(skip), first_step
         self._recent.clear()
         pending = (0, 0)  # positions and steps of skipped idle steps, charged to the next yield
-        self._ctrl.put(StartEpoch(epoch, tuple(skip), first_step, self._serial, start, tuple(self._consumed_ids)))
+        self._ctrl.put(StartEpoch(epoch, tuple(skip), first_step, self._serial, start, tuple(self._consumed_ids),
+                                  None if tail is None else (tail.cursor, tail.claimed)))
         self._serial += 1
         self._epoch_open = True
         while True:
@@ -374,6 +387,8 @@ class ODBDataLoader:
                 self._fail(item.error)
             assert isinstance(item, Batch), f"unexpected message {item!r}"
             self._consumed.extend(item.positions)
+            if item.tail is not None:  # a pooled epoch: the pool's position after this step's round
+                self._tail = TailPosition(item.tail[0], self._tail.claimed + item.tail[1])
             if isinstance(self.sampler, StreamSampler) and self.sampler.element_id is not None:
                 self._consumed_ids.extend(item.info.indices)
             self._steps += 1

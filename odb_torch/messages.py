@@ -34,6 +34,9 @@ class StartEpoch:
     """A stream resumed from its dataset's state: the resume point (``stream_loading``)."""
     consumed_ids: tuple[int, ...] = ()
     """A stream with ``element_id``: the identities of the ``skip`` positions, in order."""
+    tail: tuple[int, tuple[int, ...]] | None = None
+    """A pooled epoch resumed mid-epoch: the pool's cursor and this rank's claims at the
+    checkpoint (:class:`odb_core.tail.TailPosition`)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,9 @@ class Batch:
     positions: tuple[int, ...]
     resume: dict[str, Any] | None = None
     """A stream over a resumable dataset: the resume point after this batch (``stream_loading``)."""
+    tail: tuple[int, tuple[int, ...]] | None = None
+    """A pooled epoch: the pool's cursor after this batch's round and the pool views this rank
+    claimed since its previous batch (for ``state_dict``)."""
 
 
 @dataclass(frozen=True)

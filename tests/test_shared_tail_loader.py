@@ -59,14 +59,42 @@ def test_a_sampler_whose_global_order_is_unknown_is_refused_with_a_pool(sampler)
     assert (caught.value.field, caught.value.rank) == ("shared_tail", 1)
 
 
-def test_a_mid_epoch_resume_of_a_pooled_loader_is_refused_not_lossy():
-    """P4: a rank's claimed, unyielded pool views are known to it alone, so a mid-epoch resume is
-    refused (an epoch-boundary state, nothing consumed, resumes)."""
+def test_a_pooled_epoch_resumed_mid_epoch_trains_every_view_once_and_replays_in_tlc(tmp_path):
+    """P4 across the resume, with a pool: W=2 real ranks stop at the first step after a claim,
+    each saves its own state_dict (the pool's cursor and its claims), and new loaders resume
+    it: the claimed views not yet yielded are served by their claimers, the pool goes on from
+    its cursor, every view of the epoch is yielded once, in lockstep (P2); both runs' traces
+    are spec behaviours (TLC, every invariant)."""
+    n, world, tail = 101, 2, 0.3
+    results = run_ranks(world, {"kind": "resume", "n": n, "stop_after": "pool", "buffer": 8, "shared_tail": tail},
+                        tmp_path, trace=True)
+    for r in results:
+        assert "error" not in r, r
+    states = [r["state"] for r in results]
+    assert len({s["pool_cursor"] for s in states}) == 1 and states[0]["pool_cursor"] > 0, states
+    n_own = [math.ceil((n - int(n * tail)) / world)] * world  # each shard, padded like DistributedSampler
+    pending = [j for s, own in zip(states, n_own) for j in s["claimed"] if own + j not in s["consumed"]]
+    assert pending, "the cut must leave claimed pool views not yet yielded (the case the resume serves again)"
+    assert len({len(r["before"]) for r in results}) == 1 and len({len(r["after"]) for r in results}) == 1, "P2"
+    ids = [i for r in results for part in ("before", "after") for batch in r[part] for i in batch]
+    k = int(n * tail)
+    assert set(ids) == set(range(n)), "P4: a dataset index was never yielded"
+    assert len(ids) == k + world * math.ceil((n - k) / world), "P4: views lost or repeated across the resume"
+    check_real_traces(tmp_path / "traces", require=("fetch", "drain", "gather", "claim"))
+
+
+def test_a_pooled_mid_epoch_state_resumes_only_where_its_positions_mean_the_same():
+    """Typed refusals, not losses: another shared_tail, another world size (or the list form), a
+    state without the pool's position (an older ODB); an epoch-boundary state resumes."""
     loader = ODBDataLoader(ToyDataset(20), token_budget=64, rank=0, world_size=1, shared_tail=0.2)
-    state = {"epoch": 1, "steps": 2, "consumed": [0, 1], "rank": 0, "world_size": 1, "seed": 0}
-    with pytest.raises(UnsupportedSettingError) as caught:
-        loader.load_state_dict(state)
-    assert (caught.value.field, caught.value.rank) == ("shared_tail", 0)
+    state = {"epoch": 1, "steps": 2, "consumed": [0, 1], "rank": 0, "world_size": 1, "seed": 0, "shared_tail": 0.2,
+             "pool_cursor": 0, "claimed": []}
+    bad = [{**state, "shared_tail": 0.3}, {**state, "world_size": 2}, [state],
+           {k: v for k, v in state.items() if k != "pool_cursor"}]
+    for given in bad:
+        with pytest.raises(UnsupportedSettingError) as caught:
+            loader.load_state_dict(given)
+        assert (caught.value.field, caught.value.rank) == ("shared_tail", 0), given
     loader.load_state_dict({**state, "consumed": [], "steps": 0})
     assert loader.epoch == 1
     loader.close()

@@ -151,15 +151,17 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
                 before = []
                 for k, _batch in enumerate(loader):
                     before.append(list(loader.step_info.indices))
-                    if k + 1 == task["stop_after"]:
+                    # "pool": the first step after a claim (the pool's cursor is every rank's at a step)
+                    if k + 1 == task["stop_after"] or task["stop_after"] == "pool" and loader.state_dict()["pool_cursor"]:
                         break
                 state = json.loads(json.dumps(loader.state_dict()))  # as a checkpoint would store it
                 loader.close()
                 loader = loader_cls(dataset, token_budget=128, collate_fn=collate, buffer_size=task.get("buffer", 16),
-                                       num_workers=0, init_method=f"tcp://127.0.0.1:{port + 2}", timeout=60)
+                                       num_workers=0, init_method=f"tcp://127.0.0.1:{port + 2}", timeout=60,
+                                       **({"shared_tail": task["shared_tail"]} if "shared_tail" in task else {}))
                 loader.load_state_dict(state)
                 after = [list(loader.step_info.indices) for _ in loader]
-                result.update(before=before, after=after)
+                result.update(before=before, after=after, state=state)
             elif task["kind"] == "elastic":
                 result.update(elastic_stage(loader, task, rank))
             elif task["kind"] == "abandon":
