@@ -11,6 +11,11 @@ present once, the same epoch, steps, seed and order, no position consumed twice)
 the consumed global positions; :func:`assign_views` hands rank r' of W' its share of the rest:
 every remaining position exactly once over the W' ranks, in global order, at most one more
 on some ranks than on others (join mode tolerates uneven view counts, P2/P4, so nothing is padded).
+
+A pooled epoch (``shared_tail`` f > 0) has its own global order: the sharded part padded over
+W ranks, then the pool (``GlobalState.order_tail``); its states' positions (own views, then
+claimed pool views) merge into it. A rank's own pooled state resumes on the same world size
+with its :class:`~odb_core.tail.TailPosition` (:func:`tail_resume`).
 """
 
 from __future__ import annotations
@@ -47,6 +52,10 @@ class GlobalState:
     """Global positions already yielded, sorted."""
     order: tuple[tuple[str, int], ...] = ()
     """The :data:`ORDER_FIELDS` the states recorded, as (name, value) pairs (empty: not recorded)."""
+    order_tail: float = 0.0
+    """The shared tail's fraction f of the epoch's layout (0: none). With f > 0 the global order
+    is the pooled one: the sharded part padded over ``order_world`` ranks (rank r at r, r + W,
+    ...), then the pool's floor(f x N) views (:func:`odb_core.sampler.tail_views`)."""
 
     def remaining(self) -> list[int]:
         """The global positions not yet yielded, in global order."""
@@ -57,7 +66,7 @@ class GlobalState:
         """A JSON-able form, accepted by :func:`global_state_from` and ``ODBDataLoader.load_state_dict``."""
         return {"kind": "odb-global", "epoch": self.epoch, "steps": self.steps, "seed": self.seed,
                 "total": self.total, "order_world": self.order_world, "consumed": list(self.consumed),
-                **dict(self.order)}
+                **dict(self.order), **({"order_tail": self.order_tail} if self.order_tail else {})}
 
 
 def rank_positions(state: Mapping[str, Any]) -> list[int]:
@@ -144,6 +153,56 @@ def stream_world_error(what: str, *, ranks: Sequence[int] = (), rank: int | None
         "of ranks, or at an epoch boundary", field="world_size", ranks=ranks, rank=rank)
 
 
+def _pooled(state: Mapping[str, Any]) -> bool:
+    """A state of a pooled epoch (not an elastic share of one): its positions index the pooled
+    order, own shard then pool indices (:meth:`odb_core.epoch.EpochDriver.start_iteration`)."""
+    return bool(state.get("shared_tail")) and state.get("views") is None
+
+
+def _layout(state: Mapping[str, Any]) -> float:
+    """The shared-tail fraction of the global order a state's positions are in (0: the plain one)."""
+    if state.get("views") is not None:
+        return float(state.get("order_tail", 0.0))
+    return float(state.get("shared_tail") or 0.0)
+
+
+def _agreed_layout(states: Sequence[Mapping[str, Any]]) -> float:
+    """The one global order layout of the states (:class:`ResumeStateError` if they differ)."""
+    seen = [_layout(s) for s in states]
+    common = Counter(seen).most_common(1)[0][0]
+    differ = [int(s["rank"]) for s, v in zip(states, seen) if v != common]
+    if differ:
+        raise ResumeStateError(f"ranks {differ} index another global order (shared_tail) than the others",
+                               field="shared_tail", ranks=differ)
+    return common
+
+
+def _pooled_consumed(states: Sequence[Mapping[str, Any]], agreed: Mapping[str, int]) -> tuple[int, ...]:
+    """The consumed positions of pooled states in the pooled global order (P4: a rank's own
+    position p is r + p x W, its claimed pool view j is ``total - pool_size + j``);
+    :class:`ResumeStateError` for a position outside the rank's own views and claims, or consumed twice."""
+    missing = [int(s["rank"]) for s in states if "pool_size" not in s or "claimed" not in s]
+    if missing:
+        raise ResumeStateError(f"ranks {missing}: pooled states without the pool's layout (pool_size, claimed), "
+                               "from an older ODB; resume on the same world size", field="pool_size", ranks=missing)
+    world, total, pool = agreed["order_world"], agreed["total"], int(states[0]["pool_size"])
+    own = (total - pool) // world
+    out: list[int] = []
+    for s in sorted(states, key=lambda s: int(s["rank"])):
+        rank, claimed = int(s["rank"]), {int(j) for j in s["claimed"]}
+        bad = [p for p in map(int, s["consumed"]) if not (0 <= p < own or p - own in claimed and p - own < pool)]
+        if bad or int(s["pool_size"]) != pool:
+            raise ResumeStateError(f"rank {rank}: consumed positions {bad[:8]} are neither its own {own} views nor "
+                                   "pool views it claimed (or its pool differs)", field="consumed", ranks=[rank],
+                                   indices=bad, rank=rank)
+        out.extend(rank + p * world if p < own else total - pool + p - own for p in map(int, s["consumed"]))
+    twice = sorted(g for g, c in Counter(out).items() if c > 1)
+    if twice:
+        raise ResumeStateError(f"global positions {twice[:8]} were consumed twice (a pool view on two ranks?)",
+                               field="consumed", indices=twice)
+    return tuple(sorted(out))
+
+
 def merge_states(states: Sequence[Mapping[str, Any]]) -> GlobalState:
     """Merge every rank's ``ODBDataLoader.state_dict()`` of one step boundary into a :class:`GlobalState`.
 
@@ -156,14 +215,12 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> GlobalState:
     streamed = [int(s.get("rank", -1)) for s in states if s.get("stream")]
     if streamed:
         raise stream_world_error(f"the states of ranks {streamed} come from streams", ranks=streamed)
-    pooled = tail_pooled(states)
-    if pooled:
-        raise ResumeStateError(f"ranks {pooled}: their states lie inside a pooled epoch (shared_tail > 0), whose "
-                               "positions no merge can redistribute; resume each rank from its own state_dict on "
-                               "the same world size, or from an epoch's start",
-                               field="shared_tail", ranks=pooled)
     _check_ranks(states)
     agreed = _agreed(states)
+    layout = _agreed_layout(states)
+    if any(_pooled(s) for s in states):
+        return GlobalState(agreed["epoch"], agreed["steps"], agreed["seed"], agreed["total"], agreed["order_world"],
+                           _pooled_consumed(states, agreed), _agreed_order(states), layout)
     owner: dict[int, int] = {}  # global position -> the rank whose order holds it
     consumed: list[int] = []
     for s in sorted(states, key=lambda s: int(s["rank"])):
@@ -183,7 +240,7 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> GlobalState:
     _check_pool(states, len(owner))
     done = set(consumed) | (set(range(agreed["total"])) - set(owner))  # an elastic epoch's earlier share
     return GlobalState(agreed["epoch"], agreed["steps"], agreed["seed"], agreed["total"], agreed["order_world"],
-                       tuple(sorted(done)), _agreed_order(states))
+                       tuple(sorted(done)), _agreed_order(states), layout)
 
 
 def global_state_from(state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> GlobalState:
@@ -198,7 +255,8 @@ def global_state_from(state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) ->
                                    field="consumed", indices=consumed)
         return GlobalState(int(state["epoch"]), int(state["steps"]), int(state["seed"]), int(state["total"]),
                            int(state["order_world"]), consumed,
-                           tuple((k, int(state[k])) for k in ORDER_FIELDS if k in state))
+                           tuple((k, int(state[k])) for k in ORDER_FIELDS if k in state),
+                           float(state.get("order_tail", 0.0)))
     return merge_states(list(state))
 
 
@@ -208,6 +266,20 @@ def assign_views(state: GlobalState, world: int, rank: int) -> list[int]:
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} outside world of size {world}")
     return state.remaining()[rank::world]
+
+
+def deals_views(merged: GlobalState, shared_tail: float) -> bool:
+    """Whether a resume from every rank's states (``merged``) runs the rest of its epoch over
+    dealt views (:func:`assign_views`): always, except a loader with a shared tail at the
+    epoch's very start, which runs the whole epoch with its pool cut anew."""
+    return not shared_tail or bool(merged.consumed) or merged.steps > 0
+
+
+def epoch_pool(shared_tail: float, dealt: bool) -> float:
+    """The pool fraction an epoch runs with: none over dealt views (an elastic resume's rest of
+    an epoch: the remaining views are dealt evenly, claimed pool views included, so every view
+    is on exactly one rank, P4), else the configured ``shared_tail``."""
+    return 0.0 if dealt else shared_tail
 
 
 def check_order(recorded: Mapping[str, Any], current: Mapping[str, int], rank: int) -> None:
@@ -234,40 +306,30 @@ def check_resumed_epoch(loaded: int | None, epoch: int, rank: int) -> None:
             "load_state_dict) to resume, or build a new loader to start over", rank=rank)
 
 
-def tail_pooled(states: Sequence[Mapping[str, Any]], shared_tail: float = 0.0) -> list[int]:
-    """The ranks of ``states`` that hold a position inside a pooled epoch (the state, or the
-    loader resuming it, has ``shared_tail`` > 0, and it consumed a view or took a step)."""
-    return [int(s.get("rank", -1)) for s in states
-            if (shared_tail or s.get("shared_tail")) and (s.get("consumed") or s.get("steps"))]
-
-
 def tail_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], shared_tail: float, rank: int,
                 world: int) -> TailPosition | None:
-    """How a loader with ``shared_tail`` resumes ``state`` (one rank's state_dict, every rank's,
-    or a merged global state): None if no pooled epoch is under way in it (an epoch's start, or
-    no pool on either side); the :class:`TailPosition` of a pooled mid-epoch state of this
-    rank, taken at this world size with the same ``shared_tail`` (P4 across the resume:
-    :func:`odb_core.tail.resumed_positions`). Otherwise :class:`UnsupportedSettingError`
-    (``field="shared_tail"``), rather than a silent loss: the pool views a rank claimed and
-    had not yet yielded are in its own state alone, and its positions index the pooled order."""
-    states = [state] if isinstance(state, Mapping) else list(state)
-    if not tail_pooled(states, shared_tail):
+    """How a loader with ``shared_tail`` resumes ``state``: the :class:`TailPosition` of this
+    rank's own mid-epoch state of a pooled epoch at this world size (P4 across the resume:
+    :func:`odb_core.tail.resumed_positions` serves its claimed, unyielded views again; the pool
+    goes on from the cursor), else None: every rank's states, a merged state, another world's
+    state (all merged into the epoch's global order, pooled or not: :func:`merge_states`), an
+    elastic share's state, an epoch's start, or no pool on either side. An own mid-epoch state
+    whose positions index another layout than this loader's (another ``shared_tail``, or one
+    without the pool's position, from an older ODB) is :class:`UnsupportedSettingError`
+    (``field="shared_tail"``) rather than a silent loss."""
+    if not isinstance(state, Mapping) or state.get("kind") == "odb-global" or state.get("views") is not None or (
+            int(state.get("world_size", -1)) != world or not (state.get("consumed") or state.get("steps"))):
         return None
-    own = states[0] if isinstance(state, Mapping) and state.get("kind") != "odb-global" else None
-    if own is not None and own.get("shared_tail") == shared_tail and int(own.get("world_size", -1)) == world and (
-            "pool_cursor" in own and "claimed" in own):
-        return TailPosition(int(own["pool_cursor"]), tuple(int(j) for j in own["claimed"]))
-    recorded = own.get("shared_tail") if own is not None else None
-    if recorded and recorded != shared_tail:
-        why = (f"it was taken with shared_tail={recorded}, this loader has shared_tail={shared_tail}; build the "
-               "loader with the first run's shared_tail")
-    elif own is not None and not recorded:
-        why = "it was taken without a pool, whose positions index another order; resume with shared_tail=0"
-    elif own is not None and int(own.get("world_size", -1)) == world:
+    recorded = float(state.get("shared_tail") or 0.0)
+    if recorded != shared_tail:
+        why = (f"it was taken with shared_tail={recorded}, this loader has shared_tail={shared_tail}, and its "
+               "positions index that epoch's layout; build the loader with the first run's shared_tail, or resume "
+               "from the list of every rank's state_dict")
+    elif not recorded:
+        return None
+    elif "pool_cursor" not in state or "claimed" not in state:
         why = "it lacks the pool's position (pool_cursor, claimed): a state_dict of an older ODB"
     else:
-        why = ("a pooled epoch resumes mid-epoch on the same world size only, each rank from its own state_dict: "
-               "the pool views a rank claimed and had not yet yielded are in its state alone")
-    raise UnsupportedSettingError(
-        f"rank {rank}: a state_dict taken inside a pooled epoch cannot be resumed here: {why}. Or checkpoint "
-        "after set_epoch(e + 1), where nothing is consumed", field="shared_tail", rank=rank)
+        return TailPosition(int(state["pool_cursor"]), tuple(int(j) for j in state["claimed"]))
+    raise UnsupportedSettingError(f"rank {rank}: this mid-epoch state_dict cannot be resumed here: {why}",
+                                  field="shared_tail", rank=rank)

@@ -44,10 +44,15 @@ def shard_views(order: Sequence[int], world: int, rank: int) -> list[int]:
     return padded_order(order, world)[rank::world]
 
 
+def pool_size(n: int, fraction: float) -> int:
+    """The shared tail's pool of an epoch of ``n`` views: floor(fraction x n) (``ODBConfig.shared_tail``)."""
+    return int(n * fraction)
+
+
 def split_tail(order: Sequence[int], fraction: float) -> tuple[list[int], list[int]]:
     """``order`` split into the views to shard and the shared tail's pool: its last
-    floor(fraction x N) views (``ODBConfig.shared_tail``; none for fraction 0)."""
-    k = int(len(order) * fraction)
+    :func:`pool_size` views (none for fraction 0)."""
+    k = pool_size(len(order), fraction)
     cut = len(order) - k
     return list(order[:cut]), list(order[cut:])
 
@@ -63,5 +68,5 @@ def tail_views(order: Sequence[int], world: int, rank: int, fraction: float) -> 
 def epoch_views(n: int, world: int, fraction: float = 0.0) -> int:
     """Views an epoch of ``n`` samples serves over ``world`` ranks: the pool's floor(fraction x n)
     once each, the rest padded as ``DistributedSampler(drop_last=False)`` pads it."""
-    k = int(n * fraction)
+    k = pool_size(n, fraction)
     return k + world * -(-(n - k) // world)

@@ -33,6 +33,7 @@ from torch.distributed import ProcessGroupGloo, TCPStore  # type: ignore[attr-de
 from torch.utils.data import DataLoader, Dataset
 
 from odb_core import ODBConfig, ODBError
+from odb_core.elastic import epoch_pool
 from odb_core.epoch import Delivery, EpochDriver, LoopEnd
 from odb_core.errors import (
     CollateFnError,
@@ -44,6 +45,7 @@ from odb_core.errors import (
 )
 from odb_core.tail import TailPosition
 from odb_torch.descriptors import ensure_descriptors
+from odb_torch.elastic import ElasticOrder
 from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, encode
 from odb_torch.process_guard import DieWithParent
 from odb_torch.sample_packing import IndexedDataset, PackedChunk, Packer, describe_exception, unpack
@@ -288,9 +290,10 @@ class CollateServer:
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
         spec = self.spec
-        if spec.config.shared_tail:  # own views and the pool, from the sampler's global order
-            driver.start_iteration(*tail_shares(self.sampler, spec.rank, spec.world, epoch or 0,
-                                                spec.config.shared_tail))
+        dealt = isinstance(self.sampler, ElasticOrder) and self.sampler.dealt(epoch)
+        if epoch_pool(spec.config.shared_tail, dealt):  # own views and the pool, from the sampler's global order
+            base = self.sampler.sampler if isinstance(self.sampler, ElasticOrder) else self.sampler
+            driver.start_iteration(*tail_shares(base, spec.rank, spec.world, epoch or 0, spec.config.shared_tail))
         else:
             driver.start_iteration([int(i) for i in self.sampler])
         self._close_loading()

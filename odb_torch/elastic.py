@@ -18,7 +18,7 @@ from torch.utils.data import DistributedSampler
 from odb_core.elastic import GlobalState, assign_views, global_state_from
 from odb_core.elastic import check_order as core_check_order
 from odb_core.errors import ResumeStateError, UnsupportedSettingError
-from odb_core.sampler import padded_order
+from odb_core.sampler import epoch_views, padded_order, split_tail
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,8 @@ class ElasticEpoch:
     """Positions dealt over every rank at the resume (a later merge checks none is lost)."""
     order_world: int
     total: int
+    order_tail: float = 0.0
+    """The shared-tail fraction of the global order's layout (0: the plain padded order)."""
 
 
 def check_sampler(sampler: Any, rank: int, world: int) -> DistributedSampler[Any]:
@@ -45,19 +47,27 @@ def check_sampler(sampler: Any, rank: int, world: int) -> DistributedSampler[Any
     return sampler
 
 
-def order_total(sampler: DistributedSampler[Any], world: int) -> int:
-    """Positions in the padded (or, ``drop_last``, truncated) global order of ``world`` ranks."""
+def order_total(sampler: DistributedSampler[Any], world: int, tail: float = 0.0) -> int:
+    """Positions in the padded (or, ``drop_last``, truncated) global order of ``world`` ranks; with
+    a shared tail ``tail`` > 0, in its pooled order (:func:`odb_core.sampler.epoch_views`)."""
     n = len(sampler.dataset)  # type: ignore[arg-type]
+    if tail:
+        return epoch_views(n, world, tail)
     return world * (n // world if sampler.drop_last else -(-n // world))
 
 
-def global_order(sampler: DistributedSampler[Any], epoch: int, world: int) -> list[int]:
+def global_order(sampler: DistributedSampler[Any], epoch: int, world: int, tail: float = 0.0) -> list[int]:
     """Dataset indices of the global order: ``DistributedSampler(num_replicas=world)`` of rank r
-    yields ``global_order(...)[r::world]`` (the same seed, shuffle, drop_last and epoch)."""
+    yields ``global_order(...)[r::world]`` (the same seed, shuffle, drop_last and epoch). With a
+    shared tail ``tail`` > 0, the pooled order: the sharded part padded (rank r's own views at
+    r, r + W, ...), then the pool (:func:`odb_core.sampler.tail_views`)."""
     whole: DistributedSampler[int] = DistributedSampler(sampler.dataset, num_replicas=1, rank=0, shuffle=sampler.shuffle,
                                seed=sampler.seed, drop_last=False)
     whole.set_epoch(epoch)
     order = [int(i) for i in whole]
+    if tail:
+        own, pool = split_tail(order, tail)
+        return padded_order(own, world) + pool
     return order[: order_total(sampler, world)] if sampler.drop_last else padded_order(order, world)
 
 
@@ -83,15 +93,15 @@ def plan_resume(sampler: Any, rank: int, world: int, seed: int,
     if merged.seed != seed:
         raise ResumeStateError(f"rank {rank}: the checkpoint's seed {merged.seed} is not this loader's {seed}",
                                field="seed", rank=rank)
-    if order_total(ds, merged.order_world) != merged.total:
+    expected = order_total(ds, merged.order_world, merged.order_tail)
+    if expected != merged.total:
         raise ResumeStateError(
             f"rank {rank}: the checkpoint's order holds {merged.total} views, this dataset and sampler give "
-            f"{order_total(ds, merged.order_world)} on {merged.order_world} ranks (another dataset or drop_last?)",
-            field="total", rank=rank)
+            f"{expected} on {merged.order_world} ranks (another dataset or drop_last?)", field="total", rank=rank)
     check_order(dict(merged.order), ds, rank)
     views = tuple(assign_views(merged, world, rank))
     return merged, ElasticEpoch(merged.epoch, views, merged.total - len(merged.consumed), merged.order_world,
-                                merged.total)
+                                merged.total, merged.order_tail)
 
 
 def rank_share(state: Mapping[str, Any]) -> ElasticEpoch | None:
@@ -99,7 +109,7 @@ def rank_share(state: Mapping[str, Any]) -> ElasticEpoch | None:
     if state.get("views") is None:
         return None
     return ElasticEpoch(int(state["epoch"]), tuple(int(g) for g in state["views"]), int(state["pool"]),
-                        int(state["order_world"]), int(state["total"]))
+                        int(state["order_world"]), int(state["total"]), float(state.get("order_tail", 0.0)))
 
 
 class ElasticOrder:
@@ -108,10 +118,14 @@ class ElasticOrder:
 
     def __init__(self, sampler: DistributedSampler[Any], share: ElasticEpoch) -> None:
         self.sampler, self.share = sampler, share
-        order = global_order(sampler, share.epoch, share.order_world)
+        order = global_order(sampler, share.epoch, share.order_world, share.order_tail)
         self.indices = [order[g] for g in share.views]
         self.seed, self.shuffle, self.num_replicas = sampler.seed, sampler.shuffle, sampler.num_replicas
         self.epoch = share.epoch
+
+    def dealt(self, epoch: int | None) -> bool:
+        """Whether ``epoch`` runs over this rank's dealt views (the resumed epoch)."""
+        return epoch == self.share.epoch
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

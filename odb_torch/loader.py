@@ -15,9 +15,10 @@ from torch.utils.data import Dataset, DistributedSampler, default_collate
 
 from odb_core import ODBConfig
 from odb_core.config import BudgetName, LossScaling, Mode, TargetPolicyName
-from odb_core.elastic import check_resumed_epoch, tail_resume
+from odb_core.elastic import check_resumed_epoch, deals_views, tail_resume
 from odb_core.epoch import EpochDriver
 from odb_core.errors import CollateProcessError, LoaderStateError, PeerError, UnsupportedSettingError
+from odb_core.sampler import pool_size
 from odb_core.tail import TailPosition
 from odb_torch.collate_process import CollateSpec, collate_main
 from odb_torch.elastic import (
@@ -260,22 +261,35 @@ class ODBDataLoader:
         consumed = self._consumed[: len(self._consumed) - n_pos]
         state: dict[str, Any] = {"epoch": self.epoch, "steps": self._steps - n_steps, "consumed": sorted(consumed),
                                  "rank": self.rank, "world_size": self.world_size, "seed": self.config.seed}
+        state.update(self._order_state(unconsumed, len(consumed)))
+        return state
+
+    def _order_state(self, unconsumed: int, n_consumed: int) -> dict[str, Any]:
+        """What a state's positions index: an elastic share's views of the global order (plain or
+        pooled, ``order_tail``), the global order of a plain ``DistributedSampler`` (pooled with a
+        shared tail: ``pool_size``), or this rank's stream; the sampler's order fields; a pooled
+        epoch's pool position (``pool_cursor``, ``claimed``)."""
+        state: dict[str, Any] = {}
         share = self._elastic if self._elastic is not None and self._elastic.epoch == self.epoch else None
+        tail = self.config.shared_tail
         if share is not None:  # sampler positions index the dealt views of the global order
             state.update(views=list(share.views), pool=share.pool, order_world=share.order_world, total=share.total)
+            if share.order_tail:
+                state["order_tail"] = share.order_tail
         elif type(self.sampler) is DistributedSampler:  # the global order is known: elastic resume possible
-            state.update(order_world=self.world_size, total=order_total(self.sampler, self.world_size))
+            state.update(order_world=self.world_size, total=order_total(self.sampler, self.world_size, tail))
+            if tail:
+                state["pool_size"] = pool_size(len(self.sampler.dataset), tail)  # type: ignore[arg-type]
         elif isinstance(self.sampler, StreamSampler):  # positions in this rank's stream: same world size only
             state.update(stream_state(self._spec.num_workers))
             kept = len(self._recent) - unconsumed
             state["stream_resume"] = self._recent[kept - 1][2] if kept > 0 else self._stream_point
             if self.sampler.element_id is not None:
-                state["consumed_ids"] = self._consumed_ids[: len(consumed)]
+                state["consumed_ids"] = self._consumed_ids[:n_consumed]
         if isinstance(self.sampler, DistributedSampler):  # what fixes its order: every resume checks it
             state.update(order_fields(self.sampler))
-        if self.config.shared_tail:  # positions index the pooled order, resumable with the pool's position
-            state.update(shared_tail=self.config.shared_tail, pool_cursor=self._tail.cursor,
-                         claimed=list(self._tail.claimed))
+        if tail:  # a pooled epoch's positions: resumable with the pool's position
+            state.update(shared_tail=tail, pool_cursor=self._tail.cursor, claimed=list(self._tail.claimed))
         return state
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
@@ -313,7 +327,7 @@ class ODBDataLoader:
             self._tail_resume = tail
         else:
             merged, share = plan_resume(self.sampler, self.rank, self.world_size, self.config.seed, state)
-            if self.config.shared_tail:  # nothing consumed (tail_resume): a whole epoch, the pool cut anew
+            if not deals_views(merged, self.config.shared_tail):  # a pooled epoch's start: whole, pool cut anew
                 share = None
             self.epoch = merged.epoch
             self._resume = (self.epoch, [], merged.steps)

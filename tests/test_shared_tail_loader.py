@@ -60,7 +60,7 @@ def test_a_sampler_whose_global_order_is_unknown_is_refused_with_a_pool(sampler)
 
 
 def test_a_pooled_epoch_resumed_mid_epoch_trains_every_view_once_and_replays_in_tlc(tmp_path):
-    """P4 across the resume, with a pool: W=2 real ranks stop at the first step after a claim,
+    """P4 across the resume, with a pool: W=2 real ranks stop at the first step after the last claim,
     each saves its own state_dict (the pool's cursor and its claims), and new loaders resume
     it: the claimed views not yet yielded are served by their claimers, the pool goes on from
     its cursor, every view of the epoch is yielded once, in lockstep (P2); both runs' traces
@@ -75,6 +75,7 @@ def test_a_pooled_epoch_resumed_mid_epoch_trains_every_view_once_and_replays_in_
     n_own = [math.ceil((n - int(n * tail)) / world)] * world  # each shard, padded like DistributedSampler
     pending = [j for s, own in zip(states, n_own) for j in s["claimed"] if own + j not in s["consumed"]]
     assert pending, "the cut must leave claimed pool views not yet yielded (the case the resume serves again)"
+    assert any(p >= own for s, own in zip(states, n_own) for p in s["consumed"]), "and some pool views yielded"
     assert len({len(r["before"]) for r in results}) == 1 and len({len(r["after"]) for r in results}) == 1, "P2"
     ids = [i for r in results for part in ("before", "after") for batch in r[part] for i in batch]
     k = int(n * tail)
@@ -84,39 +85,67 @@ def test_a_pooled_epoch_resumed_mid_epoch_trains_every_view_once_and_replays_in_
 
 
 def test_a_pooled_mid_epoch_state_resumes_only_where_its_positions_mean_the_same():
-    """Typed refusals, not losses: another shared_tail, another world size (or the list form), a
-    state without the pool's position (an older ODB); an epoch-boundary state resumes."""
+    """Typed refusals, not losses: a rank's own state into a loader with another shared_tail, a
+    state without the pool's position (an older ODB), a single state of another world size
+    (pass every rank's: the merge maps pooled positions); an epoch-boundary state resumes."""
+    from odb_core.errors import ResumeStateError
+
     loader = ODBDataLoader(ToyDataset(20), token_budget=64, rank=0, world_size=1, shared_tail=0.2)
     state = {"epoch": 1, "steps": 2, "consumed": [0, 1], "rank": 0, "world_size": 1, "seed": 0, "shared_tail": 0.2,
              "pool_cursor": 0, "claimed": []}
-    bad = [{**state, "shared_tail": 0.3}, {**state, "world_size": 2}, [state],
-           {k: v for k, v in state.items() if k != "pool_cursor"}]
-    for given in bad:
-        with pytest.raises(UnsupportedSettingError) as caught:
+    bad = [({**state, "shared_tail": 0.3}, UnsupportedSettingError, "shared_tail"),
+           ({k: v for k, v in state.items() if k != "pool_cursor"}, UnsupportedSettingError, "shared_tail"),
+           ({**state, "world_size": 2}, ResumeStateError, "kind")]
+    for given, error, field in bad:
+        with pytest.raises(error) as caught:
             loader.load_state_dict(given)
-        assert (caught.value.field, caught.value.rank) == ("shared_tail", 0), given
+        assert caught.value.field == field, given
     loader.load_state_dict({**state, "consumed": [], "steps": 0})
     assert loader.epoch == 1
     loader.close()
 
 
-def test_a_pooled_mid_epoch_state_is_refused_by_any_loader_and_by_merge_states():
+def test_a_pooled_mid_epoch_state_is_refused_by_a_plain_loader_and_an_incomplete_merge():
     """P4: a pooled state's positions index the pooled order, so a loader without a pool must not
-    read them as its own shard's (it lost and repeated views: found in review), nor merge them."""
+    read them as its own shard's (it lost and repeated views: found in review); a merge needs
+    the pool's layout (``pool_size``, ``claimed``), which an older ODB did not record."""
     from odb_core.elastic import merge_states
     from odb_core.errors import ResumeStateError
 
     state = {"epoch": 1, "steps": 2, "consumed": [0, 1], "rank": 0, "world_size": 1, "seed": 0, "shared_tail": 0.2,
              "order_world": 1, "total": 20, "shuffle": 1, "sampler_seed": 0}
     plain = ODBDataLoader(ToyDataset(20), token_budget=64, rank=0, world_size=1)
-    for given in (state, [state]):
-        with pytest.raises(UnsupportedSettingError) as caught:
-            plain.load_state_dict(given)
-        assert (caught.value.field, caught.value.rank) == ("shared_tail", 0)
+    with pytest.raises(UnsupportedSettingError) as caught:
+        plain.load_state_dict(state)
+    assert (caught.value.field, caught.value.rank) == ("shared_tail", 0)
     plain.close()
     with pytest.raises(ResumeStateError) as merged:
         merge_states([state])
-    assert (merged.value.field, tuple(merged.value.ranks)) == ("shared_tail", (0,))
+    assert (merged.value.field, tuple(merged.value.ranks)) == ("pool_size", (0,))
+
+
+@pytest.mark.timeout(120)
+def test_every_ranks_pooled_states_resume_on_a_loader_without_a_pool_every_view_once():
+    """The list form of a pooled mid-epoch state is merged into the pooled global order, so any
+    loader (here one without a pool) serves exactly the views not yet yielded (P4)."""
+    n = 30
+    options = {"token_budget": 64, "collate_fn": pad_collate, "rank": 0, "world_size": 1, "num_workers": 0}
+    first = ODBDataLoader(ToyDataset(n), shared_tail=0.3, **options)
+    first.set_epoch(1)
+    before = []
+    for k, batch in enumerate(first):
+        before += batch["idx"].tolist()
+        if k == 1:
+            break
+    state = first.state_dict()
+    first.close()
+    plain = ODBDataLoader(ToyDataset(n), **options)
+    try:
+        plain.load_state_dict([state])
+        after = [i for batch in plain for i in batch["idx"].tolist()]
+    finally:
+        plain.close()
+    assert before and sorted(before + after) == list(range(n)), "P4 across the resume"
 
 
 @pytest.mark.timeout(120)

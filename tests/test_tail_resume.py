@@ -14,12 +14,14 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_elastic import run_views
 
 from odb_core import ODBConfig
 from odb_core import epoch as epoch_module
+from odb_core.elastic import assign_views, merge_states
 from odb_core.epoch import Delivery, EpochDriver
 from odb_core.errors import ResumeStateError
-from odb_core.sampler import permutation, shard_views, split_tail
+from odb_core.sampler import epoch_views, padded_order, permutation, pool_size, shard_views, split_tail
 from odb_core.tail import TailPosition, resumed_positions
 
 Case = tuple[list[int], int, ODBConfig, float]
@@ -143,3 +145,74 @@ def test_a_pooled_position_that_does_not_fit_the_epoch_is_a_typed_error(tail, sk
     with pytest.raises(ResumeStateError) as err:
         resumed_positions(10, 4, frozenset(skip), tail, rank=1)
     assert err.value.field == field and err.value.rank == 1
+
+
+def pooled_states(first: Sequence[Sequence[Record]], k: int, config: ODBConfig, n: int) -> list[dict[str, Any]]:
+    """Every rank's loader state after its first ``k`` steps of a pooled epoch, as
+    ``ODBDataLoader.state_dict`` writes it (positions in the pooled order, the pool's position)."""
+    world, f = len(first), config.shared_tail
+    out = []
+    for r in range(world):
+        cursor, claimed = (first[r][k - 1][1], first[r][k - 1][2]) if k else (0, ())
+        out.append({"rank": r, "world_size": world, "epoch": 0, "steps": k, "seed": config.seed,
+                    "consumed": sorted(p for rec in first[r][:k] for p in rec[0]), "order_world": world,
+                    "total": epoch_views(n, world, f), "shared_tail": f, "pool_size": pool_size(n, f),
+                    "pool_cursor": cursor, "claimed": list(claimed)})
+    return out
+
+
+def check_elastic_pooled(case: Case, world2: int) -> None:
+    lengths, world, config, cut = case
+    drivers, views, pool = start(config, world, len(lengths))
+    first = run(drivers, lengths)
+    k = round(cut * len(first[0]))
+    merged = merge_states(pooled_states(first, k, config, len(lengths)))
+    own, _ = split_tail(permutation(len(lengths), config.seed, 0), config.shared_tail)
+    order = padded_order(own, world) + list(pool)  # the pooled global order
+    dealt = [assign_views(merged, world2, r) for r in range(world2)]
+    second = run_views(order, dealt, lengths, config.model_copy(update={"shared_tail": 0.0}))
+    assert len({len(s) for s in second}) == 1, "P2: every rank of the resumed run takes the same steps"
+    yielded = [identity(views[r], pool, p) for r in range(world) for rec in first[r][:k] for p in rec[0]]
+    yielded += [order[dealt[r][p]] for r in range(world2) for s in second[r] for p in s.positions]
+    assert Counter(yielded) == Counter(order), "P4 across the elastic resume: every view of the epoch exactly once"
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.integers(1, 4))
+def test_a_pooled_epoch_resumed_on_another_world_size_yields_every_view_exactly_once(case: Case, world2: int) -> None:
+    check_elastic_pooled(case, world2)
+
+
+def test_the_elastic_property_catches_a_merge_that_forgets_consumed_pool_views(monkeypatch: Any) -> None:
+    from odb_core import elastic
+
+    real = elastic._pooled_consumed
+
+    def own_only(states: Any, agreed: Any) -> tuple[int, ...]:
+        cut = agreed["total"] - int(states[0]["pool_size"])
+        return tuple(g for g in real(states, agreed) if g < cut)
+
+    monkeypatch.setattr(elastic, "_pooled_consumed", own_only)
+
+    @settings(max_examples=200, deadline=None, database=None, report_multiple_bugs=False,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(cases(), st.integers(1, 4))
+    def property_(case: Case, world2: int) -> None:
+        check_elastic_pooled(case, world2)
+
+    with pytest.raises(AssertionError, match="P4"):
+        property_()
+
+
+def test_pooled_states_that_do_not_fit_their_epoch_are_refused_by_the_merge() -> None:
+    base = {"world_size": 2, "epoch": 0, "steps": 1, "seed": 3, "order_world": 2, "total": 12, "shared_tail": 0.2,
+            "pool_size": 2, "pool_cursor": 2}
+    good = [{**base, "rank": 0, "consumed": [0, 5], "claimed": [0]}, {**base, "rank": 1, "consumed": [1], "claimed": [1]}]
+    assert merge_states(good).consumed == (0, 3, 10)
+    unclaimed = [good[0], {**good[1], "consumed": [5]}]  # rank 1 consumed pool view 0, claimed by rank 0
+    twice = [good[0], {**good[1], "consumed": [5], "claimed": [0]}]
+    mixed = [good[0], {k: v for k, v in good[1].items() if k not in ("shared_tail",)}]
+    for states, field in ((unclaimed, "consumed"), (twice, "consumed"), (mixed, "shared_tail")):
+        with pytest.raises(ResumeStateError) as err:
+            merge_states(states)
+        assert err.value.field == field, states

@@ -224,16 +224,19 @@ def test_skip_idle_under_join_ends_a_finished_rank_early_without_deadlock(tmp_pa
         assert sorted(ids) == list(range(n)), f"P4: epoch {epoch} under Join trains every sample once"
 
 
-def test_elastic_resume_cut_on_2_ranks_resumed_on_3_then_on_2_yields_every_view_exactly_once(tmp_path):
+@pytest.mark.parametrize("tail", [0.0, 0.3])
+def test_elastic_resume_cut_on_2_ranks_resumed_on_3_then_on_2_yields_every_view_exactly_once(tail, tmp_path):
     """Elastic resume (join, P2/P4 across world sizes): 2 ranks stop after 3 steps, 3 ranks resume
     from the 2 rank states and stop after 2 more, 2 ranks resume from the 3 states (which list
     their dealt views) and finish. Every view of the epoch's padded order on 2 ranks is yielded
-    exactly once over the three runs, each run's ranks take equal steps, the step count continues."""
+    exactly once over the three runs, each run's ranks take equal steps, the step count continues.
+    With a shared tail (0.3) the first run stops at the step after the pool's last claim: its states'
+    positions index the pooled order (claimed, unyielded pool views are dealt again too)."""
     n, states_a, states_b = 61, tmp_path / "states_a", tmp_path / "states_b"
     states_a.mkdir()
     states_b.mkdir()
-    base = {"kind": "elastic", "n": n, "buffer": 8}
-    runs = [run_ranks(2, {**base, "stop_after": 3, "save": str(states_a)}, tmp_path / "a"),
+    base = {"kind": "elastic", "n": n, "buffer": 8, **({"shared_tail": tail} if tail else {})}
+    runs = [run_ranks(2, {**base, "stop_after": "pool" if tail else 3, "save": str(states_a)}, tmp_path / "a"),
             run_ranks(3, {**base, "load": str(states_a), "stop_after": 2, "save": str(states_b)}, tmp_path / "b"),
             run_ranks(2, {**base, "load": str(states_b)}, tmp_path / "c")]
     for results in runs:
@@ -245,9 +248,17 @@ def test_elastic_resume_cut_on_2_ranks_resumed_on_3_then_on_2_yields_every_view_
         assert len({len(x) for x in numbers}) == 1, "P2: a run's ranks took different step counts"
         assert all(x == list(range(first, first + len(x))) for x in numbers), "the step count continues"
         first += len(numbers[0])
-    assert [r["saved_steps"] for results in runs[:2] for r in results] == [3, 3, 5, 5, 5]
+    cut = len(runs[0][0]["steps"])
+    assert tail or cut == 3
+    own = math.ceil((n - int(n * tail)) / 2)  # a pooled state's positions from here on are pool views
+    assert not tail or any(p >= own for f in states_a.glob("state_rank*.json") for p in json.loads(f.read_text())[
+        "consumed"]), "the pooled cut must have yielded some pool views (the merge maps them)"
+    later = len(runs[1][0]["steps"])  # 2, or fewer if the epoch ended first (the pooled cut comes late)
+    assert later == 2 or tail and later >= 1
+    assert [r["saved_steps"] for results in runs[:2] for r in results] == [cut, cut] + [cut + later] * 3
     assert all(r["single_state_refused"] == "kind" for results in runs[1:] for r in results)
     ids = [i for results in runs for r in results for _, batch in r["steps"] for i in batch]
     counts = Counter(ids)
     assert set(counts) == set(range(n)), "P4 across the world-size changes: a view lost"
-    assert len(ids) == 2 * math.ceil(n / 2) and max(counts.values()) <= 2, "P4: a view yielded twice"
+    pool = int(n * tail)
+    assert len(ids) == pool + 2 * math.ceil((n - pool) / 2) and max(counts.values()) <= 2, "P4: a view yielded twice"

@@ -151,8 +151,7 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
                 before = []
                 for k, _batch in enumerate(loader):
                     before.append(list(loader.step_info.indices))
-                    # "pool": the first step after a claim (the pool's cursor is every rank's at a step)
-                    if k + 1 == task["stop_after"] or task["stop_after"] == "pool" and loader.state_dict()["pool_cursor"]:
+                    if k + 1 == task["stop_after"] or task["stop_after"] == "pool" and pool_claimed(loader):
                         break
                 state = json.loads(json.dumps(loader.state_dict()))  # as a checkpoint would store it
                 loader.close()
@@ -205,6 +204,13 @@ def finish_rank(result: dict[str, Any], out_dir: str, rank: int) -> None:
         pass
 
 
+def pool_claimed(loader: ODBDataLoader) -> bool:
+    """The step after the last claim of the pool: the same step on every rank (the pool's cursor
+    is every rank's at a step); some claimed views are usually yielded by then, the last not yet."""
+    state = loader.state_dict()
+    return bool(state["pool_size"]) and state["pool_cursor"] == state["pool_size"]
+
+
 def elastic_stage(loader: ODBDataLoader, task: dict[str, Any], rank: int) -> dict[str, Any]:
     """One run of an epoch cut across world sizes: resume from every rank's state in
     ``task["load"]`` (if given; a single rank's state of the other world is refused first), run
@@ -223,7 +229,7 @@ def elastic_stage(loader: ODBDataLoader, task: dict[str, Any], rank: int) -> dic
     steps = []
     for k, _ in enumerate(loader):
         steps.append([loader.step_info.step, list(loader.step_info.indices)])
-        if k + 1 == task.get("stop_after"):
+        if k + 1 == task.get("stop_after") or task.get("stop_after") == "pool" and pool_claimed(loader):
             break
     if task.get("save"):
         state = loader.state_dict()
