@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from odb_core.errors import LoaderStateError, ResumeStateError, UnsupportedSettingError
-from odb_core.tail import TailPosition
+from odb_core.tail import TailPosition, resumed_positions
 
 AGREED_FIELDS = ("epoch", "steps", "seed", "total", "order_world")
 """The fields every rank's state must share for a merge."""
@@ -155,15 +155,18 @@ def stream_world_error(what: str, *, ranks: Sequence[int] = (), rank: int | None
 
 def _pooled(state: Mapping[str, Any]) -> bool:
     """A state of a pooled epoch (not an elastic share of one): its positions index the pooled
-    order, own shard then pool indices (:meth:`odb_core.epoch.EpochDriver.start_iteration`)."""
-    return bool(state.get("shared_tail")) and state.get("views") is None
+    order, own shard then pool indices (:meth:`odb_core.epoch.EpochDriver.start_iteration`). An
+    epoch-start state of an older ODB (no ``pool_size``, nothing consumed) recorded the plain
+    order's ``total`` and indexes nothing: it merges as a plain one."""
+    return bool(state.get("shared_tail")) and state.get("views") is None and (
+        "pool_size" in state or bool(state.get("consumed")) or bool(state.get("steps")))
 
 
 def _layout(state: Mapping[str, Any]) -> float:
     """The shared-tail fraction of the global order a state's positions are in (0: the plain one)."""
     if state.get("views") is not None:
         return float(state.get("order_tail", 0.0))
-    return float(state.get("shared_tail") or 0.0)
+    return float(state["shared_tail"]) if _pooled(state) else 0.0
 
 
 def _agreed_layout(states: Sequence[Mapping[str, Any]]) -> float:
@@ -191,10 +194,12 @@ def _pooled_consumed(states: Sequence[Mapping[str, Any]], agreed: Mapping[str, i
     for s in sorted(states, key=lambda s: int(s["rank"])):
         rank, claimed = int(s["rank"]), {int(j) for j in s["claimed"]}
         bad = [p for p in map(int, s["consumed"]) if not (0 <= p < own or p - own in claimed and p - own < pool)]
-        if bad or int(s["pool_size"]) != pool:
+        if int(s["pool_size"]) != pool:
+            raise ResumeStateError(f"rank {rank}: a pool of {s['pool_size']} views, rank {states[0]['rank']}'s has "
+                                   f"{pool}", field="pool_size", ranks=[rank], rank=rank)
+        if bad:
             raise ResumeStateError(f"rank {rank}: consumed positions {bad[:8]} are neither its own {own} views nor "
-                                   "pool views it claimed (or its pool differs)", field="consumed", ranks=[rank],
-                                   indices=bad, rank=rank)
+                                   "pool views it claimed", field="consumed", ranks=[rank], indices=bad, rank=rank)
         out.extend(rank + p * world if p < own else total - pool + p - own for p in map(int, s["consumed"]))
     twice = sorted(g for g, c in Counter(out).items() if c > 1)
     if twice:
@@ -330,6 +335,11 @@ def tail_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], shared_t
     elif "pool_cursor" not in state or "claimed" not in state:
         why = "it lacks the pool's position (pool_cursor, claimed): a state_dict of an older ODB"
     else:
-        return TailPosition(int(state["pool_cursor"]), tuple(int(j) for j in state["claimed"]))
+        tail = TailPosition(int(state["pool_cursor"]), tuple(int(j) for j in state["claimed"]))
+        if "pool_size" in state and "total" in state:  # a position that does not fit: typed, before anything starts
+            pool = int(state["pool_size"])
+            resumed_positions((int(state["total"]) - pool) // world, pool, frozenset(map(int, state["consumed"])),
+                              tail, rank)
+        return tail
     raise UnsupportedSettingError(f"rank {rank}: this mid-epoch state_dict cannot be resumed here: {why}",
                                   field="shared_tail", rank=rank)

@@ -216,3 +216,37 @@ def test_pooled_states_that_do_not_fit_their_epoch_are_refused_by_the_merge() ->
         with pytest.raises(ResumeStateError) as err:
             merge_states(states)
         assert err.value.field == field, states
+
+
+def test_an_older_pooled_epoch_start_state_merges_as_a_plain_one() -> None:
+    """Before pooled positions were recorded, the advice was a checkpoint after set_epoch(e + 1):
+    such states (no ``pool_size``, nothing consumed) index nothing and still merge."""
+    states = [{"epoch": 1, "steps": 0, "consumed": [], "rank": r, "world_size": 2, "seed": 0, "order_world": 2,
+               "total": 10, "shuffle": 1, "sampler_seed": 0, "shared_tail": 0.2} for r in (0, 1)]
+    merged = merge_states(states)
+    assert (merged.consumed, merged.order_tail, merged.total) == ((), 0.0, 10)
+
+
+def test_an_own_pooled_state_that_does_not_fit_is_refused_before_anything_starts() -> None:
+    from odb_core.elastic import tail_resume
+
+    state = {"epoch": 0, "steps": 1, "rank": 1, "world_size": 2, "seed": 3, "total": 12, "order_world": 2,
+             "shared_tail": 0.2, "pool_size": 2, "pool_cursor": 1, "claimed": [0], "consumed": [0, 5]}
+    assert tail_resume(state, 0.2, 1, 2) == TailPosition(1, (0,))
+    for bad, field in (({"pool_cursor": 3}, "claimed"), ({"claimed": [1]}, "claimed"), ({"consumed": [6]}, "consumed")):
+        with pytest.raises(ResumeStateError) as err:
+            tail_resume({**state, **bad}, 0.2, 1, 2)
+        assert (err.value.field, err.value.rank) == (field, 1), bad
+
+
+def test_ranks_resuming_a_pooled_epoch_from_other_cursors_disagree_at_the_handshake() -> None:
+    """P8: ranks that would continue the pool from different cursors claim it differently, so the
+    handshake names the pool's cursor (one rank's state handed back further than the other's)."""
+    from odb_core.errors import ConfigMismatchError
+
+    config = ODBConfig(token_budget=64, shared_tail=0.2)
+    drivers = [EpochDriver(config, r, 2, skip=[0], tail=TailPosition(cursor, ())) for r, cursor in enumerate((1, 2))]
+    gathered = [d.hello() for d in drivers]
+    with pytest.raises(ConfigMismatchError) as err:
+        drivers[0].check_hello(gathered)
+    assert err.value.field == "pool_cursor" and err.value.ranks == (1,)
