@@ -259,18 +259,20 @@ class ODBDataLoader:
         back = list(self._recent)[len(self._recent) - unconsumed:]
         n_pos, n_steps = sum(b[0] for b in back), sum(b[1] for b in back)
         consumed = self._consumed[: len(self._consumed) - n_pos]
-        state: dict[str, Any] = {"epoch": self.epoch, "steps": self._steps - n_steps, "consumed": sorted(consumed),
+        # a loaded position still held names its own epoch, whatever set_epoch was called with since
+        epoch = self._resume[0] if self._resume is not None else self.epoch
+        state: dict[str, Any] = {"epoch": epoch, "steps": self._steps - n_steps, "consumed": sorted(consumed),
                                  "rank": self.rank, "world_size": self.world_size, "seed": self.config.seed}
-        state.update(self._order_state(unconsumed, len(consumed)))
+        state.update(self._order_state(epoch, unconsumed, len(consumed)))
         return state
 
-    def _order_state(self, unconsumed: int, n_consumed: int) -> dict[str, Any]:
+    def _order_state(self, epoch: int, unconsumed: int, n_consumed: int) -> dict[str, Any]:
         """What a state's positions index: an elastic share's views of the global order (plain or
         pooled, ``order_tail``), the global order of a plain ``DistributedSampler`` (pooled with a
         shared tail: ``pool_size``), or this rank's stream; the sampler's order fields; a pooled
         epoch's pool position (``pool_cursor``, ``claimed``)."""
         state: dict[str, Any] = {}
-        share = self._elastic if self._elastic is not None and self._elastic.epoch == self.epoch else None
+        share = self._elastic if self._elastic is not None and self._elastic.epoch == epoch else None
         tail = self.config.shared_tail
         if share is not None:  # sampler positions index the dealt views of the global order
             state.update(views=list(share.views), pool=share.pool, order_world=share.order_world, total=share.total)
