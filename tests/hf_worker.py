@@ -52,9 +52,10 @@ class Watch(TrainerCallback):  # type: ignore[misc]
 def main() -> None:
     out, tag, epochs, accum, save_steps, stop_at, resume = sys.argv[1:8]
     budget = sys.argv[8] if len(sys.argv) > 8 else "padded"
+    tail = float(sys.argv[9]) if len(sys.argv) > 9 else 0.0
     watch = Watch(int(stop_at))
     trainer = make_trainer(str(Path(out) / "run"), float(epochs), int(accum), int(save_steps),
-                           trainer_cls=RecordingTrainer, callbacks=[watch], budget=budget)
+                           trainer_cls=RecordingTrainer, callbacks=[watch], budget=budget, shared_tail=tail)
     trainer.records = []
     watch.trainer = trainer
     result = trainer.train(resume_from_checkpoint=True if resume == "1" else None)

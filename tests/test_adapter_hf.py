@@ -33,14 +33,15 @@ pytestmark = pytest.mark.timeout(400)
 
 WORKER = Path(__file__).with_name("hf_worker.py")
 N = 96  # TokenDataset size in docs/examples/hf_trainer.py
+TAIL = 0.25  # the resume test's pool fraction
 BUDGET = 256  # its token budget
 LR, WARMUP = 1e-3, 0.1
 
 
 def run(tmp: Path, tag: str, world: int, epochs: int, accum: int, save_steps: int = 0, stop_at: int = 0,
-        resume: bool = False, budget: str = "padded") -> list[dict[str, Any]]:
+        resume: bool = False, budget: str = "padded", tail: float = 0.0) -> list[dict[str, Any]]:
     run_torchrun(WORKER, [str(tmp), tag, str(epochs), str(accum), str(save_steps), str(stop_at),
-                          "1" if resume else "0", budget], world)
+                          "1" if resume else "0", budget, str(tail)], world)
     return [json.loads((tmp / f"{tag}_rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -82,15 +83,20 @@ def test_hf_trainer_w1_packed_epochs_weights_schedule_throughput(tmp_path):
 def test_hf_trainer_w2_resume_mid_epoch_loses_nothing_repeats_nothing_on_2_and_on_1_rank(tmp_path):
     lengths = [TokenDataset(N).length(i) for i in range(N)]
     assert max(lengths) > 2 * min(lengths)  # variable-size batches, so ranks form different counts
-    # run A: checkpoint every 4 updates, "crash" at update 6 (its updates 5-6 are lost with it)
-    first = run(tmp_path, "a", world=2, epochs=2, accum=2, save_steps=4, stop_at=6)
+    # run A: checkpoint every 4 updates, "crash" at update 6 (its updates 5-6 are lost with it);
+    # with a shared tail of 25% (N - 24 = 72 views shard evenly): the pooled position resumes
+    first = run(tmp_path, "a", world=2, epochs=2, accum=2, save_steps=4, stop_at=6, tail=TAIL)
     assert first[0]["global_step"] == 6
     assert (tmp_path / "run" / "checkpoint-4" / "odb_state_rank1.json").is_file()
+    states = [json.loads((tmp_path / "run" / "checkpoint-4" / f"odb_state_rank{r}.json").read_text())["loader"]
+              for r in range(2)]
+    assert all(s["pool_size"] == int(N * TAIL) for s in states) and any(s["claimed"] for s in states), \
+        "the checkpoint lies inside a pooled epoch, after claims: its resume serves claimed views again"
     # run B: resume from the last checkpoint (checkpoint-4) and finish both epochs
     (tmp_path / "run" / "checkpoint-6").exists() and pytest.fail("no checkpoint was due at update 6")
     elastic = tmp_path / "elastic"  # the same checkpoint, for run C on another world size
     shutil.copytree(tmp_path / "run", elastic / "run")
-    second = run(tmp_path, "b", world=2, epochs=2, accum=2, save_steps=4, resume=True)
+    second = run(tmp_path, "b", world=2, epochs=2, accum=2, save_steps=4, resume=True, tail=TAIL)
     assert min(rec["update"] for r in second for rec in r["records"]) == 4
     before = trained([r["records"] for r in first], keep=lambda rec: rec["update"] < 4)
     after = trained([r["records"] for r in second])
@@ -103,7 +109,7 @@ def test_hf_trainer_w2_resume_mid_epoch_loses_nothing_repeats_nothing_on_2_and_o
     assert abs(m["train_samples_per_second"] * m["train_runtime"] - resumed_samples) < 1.0
     # run C: checkpoint-4 of the 2-rank run resumed on 1 rank (elastic, W=2 -> 1): the rest of
     # each epoch is every index not trained before the checkpoint, once
-    third = run(elastic, "c", world=1, epochs=2, accum=2, resume=True)
+    third = run(elastic, "c", world=1, epochs=2, accum=2, resume=True, tail=TAIL)
     assert min(rec["update"] for rec in third[0]["records"]) == 4
     check_resume_exactly_once(before, trained([third[0]["records"]]), N)
     check_windows([third[0]["records"]], accum=2)

@@ -20,9 +20,11 @@ from odb_torch.integrations.hf import ODBTrainer
 
 
 def make_trainer(out_dir: str, epochs: float = 2, accum: int = 1, save_steps: int = 0, samples: int = 96,
-                 trainer_cls: type[ODBTrainer] = ODBTrainer, budget: str = "padded", **kwargs: Any) -> ODBTrainer:
+                 trainer_cls: type[ODBTrainer] = ODBTrainer, budget: str = "padded", shared_tail: float = 0.0,
+                 **kwargs: Any) -> ODBTrainer:
     """``budget="packed"``: padding-free rows (``packed_collate``); sdpa keeps the sequences
-    apart once the model runs without a cache (``docs/packing.md``)."""
+    apart once the model runs without a cache (``docs/packing.md``). ``shared_tail``: the
+    loader's pool fraction (README, "Large worlds: the shared tail")."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
@@ -35,7 +37,8 @@ def make_trainer(out_dir: str, epochs: float = 2, accum: int = 1, save_steps: in
         disable_tqdm=True,
     )
     return trainer_cls(model=model, args=args, train_dataset=TokenDataset(samples),
-                       token_budget=256, odb_kwargs={"buffer_size": 32, "timeout": 120, "budget": budget}, **kwargs)
+                       token_budget=256, odb_kwargs={"buffer_size": 32, "timeout": 120, "budget": budget,
+                                                     "shared_tail": shared_tail}, **kwargs)
 
 
 def main() -> None:
