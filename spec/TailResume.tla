@@ -22,6 +22,12 @@ CONSTANTS OwnLen,    \* per rank, the lengths of its own views
           Used0      \* per rank, the sampler positions it yielded before
 
 ASSUME Cursor0 \in 0..Len(PoolLen)
+\* the claims split 1..Cursor0 over the ranks (each index once); a rank yielded only its own
+\* positions and those of its claims
+ASSUME /\ \A r \in 1..W : Cardinality(Range(Claimed0[r])) = Len(Claimed0[r])
+       /\ \A r, s \in 1..W : r # s => Range(Claimed0[r]) \cap Range(Claimed0[s]) = {}
+       /\ UNION {Range(Claimed0[r]) : r \in 1..W} = 1..Cursor0
+       /\ \A r \in 1..W : Used0[r] \subseteq 1..Len(OwnLen[r]) \cup {Len(OwnLen[r]) + j : j \in Range(Claimed0[r])}
 
 NOwn(r) == Len(OwnLen[r])
 OwnLeft(r) == SelectSeq([p \in 1..NOwn(r) |-> p], LAMBDA p : p \notin Used0[r])
@@ -44,6 +50,7 @@ PoolNew(r) == {Cursor0 + claimed[r][p - NV[r]] : p \in {q \in E[r] : q > NV[r]}}
 PoolYielded(r) == PoolBefore(r) \cup PoolRedealt(r) \cup PoolNew(r)
 
 ResumeExactlyOnce ==
+    /\ \A r \in Ranks : Cardinality(Range(ResumedOp(r))) = Len(ResumedOp(r))  \* no view served twice
     /\ \A r \in Ranks : Range(ResumedOp(r)) \cap Used0[r] = {}
     /\ \A r \in Ranks : PoolBefore(r) \cap PoolRedealt(r) = {} /\ (PoolBefore(r) \cup PoolRedealt(r)) \cap PoolNew(r) = {}
     /\ \A r, s \in Ranks : r # s => PoolYielded(r) \cap PoolYielded(s) = {}
@@ -62,4 +69,6 @@ Used_T == <<{1, 3}, {}>>
 \* Seeded bug: the resume forgets the claimed views not yet yielded (they were loaded by their
 \* claimer, never yielded, and no rank serves them again: lost).
 MutForgetClaims(r) == OwnLeft(r)
+\* Seeded bug: the rank's own views not yet yielded are served twice (each trained twice).
+MutServeTwice(r) == Resumed(r) \o OwnLeft(r)
 =============================================================================

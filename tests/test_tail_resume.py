@@ -262,13 +262,14 @@ TAIL_CFGS = sorted((Path(__file__).resolve().parents[1] / "spec" / "cfg" / "tail
 @pytest.mark.parametrize("path", TAIL_CFGS, ids=lambda p: p.stem)
 def test_tlc_resume_of_a_pooled_epoch_passes_every_invariant_and_its_mutant_is_caught(path: Path) -> None:
     """quick_*: every ODB invariant, PoolOnce, Termination and ResumeExactlyOnce hold from the
-    resumed position; mutant_*: a resume that forgets claimed, unyielded views fails ResumeExactlyOnce."""
+    resumed position; mutant_*: a resume that forgets claimed, unyielded views fails
+    ResumeExactlyOnce at the epoch's end, one that serves a view twice in its initial state."""
     from model_checks.suites import expectation
     from model_checks.tla import tlc
 
     run = tlc("TailResume", path)
-    assert run.distinct_states > 0, run.output[-2000:]
     assert run.outcome == expectation(path), run.output[-3000:]
+    assert run.distinct_states > 0 or path.stem == "mutant_tail_resume_serves_twice", run.output[-2000:]
 
 
 @pytest.mark.timeout(120)
