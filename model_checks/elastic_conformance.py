@@ -16,14 +16,10 @@ differs from each implementation's (the core's and seeded wrong ones).
 from __future__ import annotations
 
 import random
-import re
-import shutil
-import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-from model_checks.tla import SPEC_DIR, TlcRun, tlc
+from model_checks.tla import SPEC_DIR, TlcRun, mismatches
 from odb_core.elastic import GlobalState, assign_views, merge_states
 
 Deal = Callable[[GlobalState, int, int], list[int]]
@@ -55,11 +51,12 @@ def random_case(rng: random.Random) -> tuple[list[int], GlobalState, int]:
     return [rng.randint(1, 12) for _ in range(total)], merge_states(states), rng.randint(1, 4)
 
 
-def _tla(value: Any) -> str:
+def tla_value(value: Any) -> str:
+    """TLA+ text of ints, sets (sorted) and sequences (lists, tuples), nested."""
     if isinstance(value, (set, frozenset)):
-        return "{" + ", ".join(map(_tla, sorted(value))) + "}"
+        return "{" + ", ".join(map(tla_value, sorted(value))) + "}"
     if isinstance(value, (list, tuple)):
-        return "<<" + ", ".join(map(_tla, value)) + ">>"
+        return "<<" + ", ".join(map(tla_value, value)) + ">>"
     return str(value)
 
 
@@ -68,8 +65,8 @@ def conformance_module(cases: Sequence[tuple[list[int], GlobalState, int]], impl
     rows = []
     for lengths, state, world in cases:
         deals = {name: [[g + 1 for g in deal(state, world, r)] for r in range(world)] for name, deal in impls.items()}
-        fields = ", ".join(f"{name} |-> {_tla(d)}" for name, d in deals.items())
-        rows.append(f"[g |-> {_tla(lengths)}, c |-> {_tla({g + 1 for g in state.consumed})}, w |-> {world}, {fields}]")
+        fields = ", ".join(f"{name} |-> {tla_value(d)}" for name, d in deals.items())
+        rows.append(f"[g |-> {tla_value(lengths)}, c |-> {tla_value({g + 1 for g in state.consumed})}, w |-> {world}, {fields}]")
     checks = "\n".join(
         f'ASSUME PrintT(<<"mismatch", "{name}", {{k \\in 1..Len(Cases) : '
         f"[r \\in 1..Cases[k].w |-> ElasticAt(Cases[k].g, Cases[k].c, Cases[k].w)!DealOp(r)] # Cases[k].{name}}}>>)"
@@ -84,16 +81,5 @@ def run_conformance(seed: int = 0, n: int = 60, impls: dict[str, Deal] | None = 
     impls = impls or IMPLEMENTATIONS
     rng = random.Random(seed)
     cases = [random_case(rng) for _ in range(n)]
-    cfg_text = (SPEC_DIR / "cfg" / "elastic" / "quick_resume_3_to_2.cfg").read_text()
-    cfg_text = cfg_text.split("SPECIFICATION")[0] + "INIT Init\nNEXT Stutter\n"
-    with tempfile.TemporaryDirectory(prefix="odb-elastic-conf-") as tmp:
-        work = Path(tmp)
-        for module in SPEC_DIR.glob("*.tla"):
-            shutil.copy(module, work / module.name)
-        (work / "ElasticConformance.tla").write_text(conformance_module(cases, impls))
-        (work / "ElasticConformance.cfg").write_text(cfg_text)
-        run = tlc("ElasticConformance", work / "ElasticConformance.cfg", cwd=work, workers=1, timeout=120)
-    found: dict[str, set[int]] = {}
-    for name, bad in re.findall(r'<<\s*"mismatch",\s*"(\w+)",\s*\{([\d,\s]*)\}\s*>>', run.output):
-        found[name] = {int(k) for k in re.findall(r"\d+", bad)}
-    return found, run
+    cfg = SPEC_DIR / "cfg" / "elastic" / "quick_resume_3_to_2.cfg"
+    return mismatches("ElasticConformance", conformance_module(cases, impls), cfg)

@@ -14,13 +14,10 @@ TailResume``: one TLC run, whose ASSUME prints the cases where the spec differs 
 from __future__ import annotations
 
 import random
-import re
-import shutil
-import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
-from model_checks.tla import SPEC_DIR, TlcRun, tlc
+from model_checks.elastic_conformance import tla_value
+from model_checks.tla import SPEC_DIR, TlcRun, mismatches
 from odb_core.tail import TailPosition, resumed_positions
 
 Resume = Callable[[int, int, frozenset[int], TailPosition, int], list[int]]
@@ -56,14 +53,6 @@ def random_case(rng: random.Random) -> Case:
     return own, pool, cursor, claims, used
 
 
-def _tla(value: object) -> str:
-    if isinstance(value, (set, frozenset)):
-        return "{" + ", ".join(map(_tla, sorted(value))) + "}"
-    if isinstance(value, (list, tuple)):
-        return "<<" + ", ".join(map(_tla, value)) + ">>"
-    return str(value)
-
-
 def conformance_module(cases: Sequence[Case], impls: dict[str, Resume]) -> str:
     """The TLA+ module: every case's spec views against each implementation's (1-based positions)."""
     rows = []
@@ -71,10 +60,10 @@ def conformance_module(cases: Sequence[Case], impls: dict[str, Resume]) -> str:
         views = {name: [[p + 1 for p in resume(len(own[r]), len(pool), frozenset(used[r]),
                                                TailPosition(cursor, tuple(claims[r])), r)]
                         for r in range(len(own))] for name, resume in impls.items()}
-        fields = ", ".join(f"{name} |-> {_tla(v)}" for name, v in views.items())
-        rows.append(f"[o |-> {_tla(own)}, l |-> {_tla(pool)}, c |-> {cursor}, "
-                    f"k |-> {_tla([[j + 1 for j in cl] for cl in claims])}, "
-                    f"u |-> {_tla([{p + 1 for p in u} for u in used])}, w |-> {len(own)}, {fields}]")
+        fields = ", ".join(f"{name} |-> {tla_value(v)}" for name, v in views.items())
+        rows.append(f"[o |-> {tla_value(own)}, l |-> {tla_value(pool)}, c |-> {cursor}, "
+                    f"k |-> {tla_value([[j + 1 for j in cl] for cl in claims])}, "
+                    f"u |-> {tla_value([{p + 1 for p in u} for u in used])}, w |-> {len(own)}, {fields}]")
     at = "TailAt(Cases[k].o, Cases[k].l, Cases[k].c, Cases[k].k, Cases[k].u, Cases[k].w)"
     checks = "\n".join(
         f'ASSUME PrintT(<<"mismatch", "{name}", {{k \\in 1..Len(Cases) : '
@@ -91,16 +80,5 @@ def run_conformance(seed: int = 0, n: int = 60, impls: dict[str, Resume] | None 
     impls = impls or IMPLEMENTATIONS
     rng = random.Random(seed)
     cases = [random_case(rng) for _ in range(n)]
-    cfg_text = (SPEC_DIR / "cfg" / "tail" / "quick_tail_resume_2.cfg").read_text()
-    cfg_text = cfg_text.split("SPECIFICATION")[0] + "INIT Init\nNEXT Stutter\n"
-    with tempfile.TemporaryDirectory(prefix="odb-tail-conf-") as tmp:
-        work = Path(tmp)
-        for module in SPEC_DIR.glob("*.tla"):
-            shutil.copy(module, work / module.name)
-        (work / "TailConformance.tla").write_text(conformance_module(cases, impls))
-        (work / "TailConformance.cfg").write_text(cfg_text)
-        run = tlc("TailConformance", work / "TailConformance.cfg", cwd=work, workers=1, timeout=120)
-    found: dict[str, set[int]] = {}
-    for name, bad in re.findall(r'<<\s*"mismatch",\s*"(\w+)",\s*\{([\d,\s]*)\}\s*>>', run.output):
-        found[name] = {int(k) for k in re.findall(r"\d+", bad)}
-    return found, run
+    cfg = SPEC_DIR / "cfg" / "tail" / "quick_tail_resume_2.cfg"
+    return mismatches("TailConformance", conformance_module(cases, impls), cfg)

@@ -131,3 +131,22 @@ def tlc(module: str, config: Path, cwd: Path = SPEC_DIR, workers: int = 2, extra
                              env={**os.environ, "JAVA_TOOL_OPTIONS": ""})
         seconds = time.perf_counter() - started
     return parse_tlc(config.stem, out.stdout + out.stderr, seconds)
+
+
+def mismatches(module: str, text: str, base_cfg: Path) -> tuple[dict[str, set[int]], TlcRun]:
+    """Run a generated conformance module ``module`` (``text``, extending the spec) with the
+    constants of ``base_cfg`` and no behaviour (``NEXT Stutter``); its ASSUMEs print
+    ``<<"mismatch", name, {case numbers}>>`` per implementation. Returns each implementation's
+    mismatching case numbers (1-based) and the TLC run."""
+    cfg_text = base_cfg.read_text().split("SPECIFICATION")[0] + "INIT Init\nNEXT Stutter\n"
+    with tempfile.TemporaryDirectory(prefix="odb-conformance-") as tmp:
+        work = Path(tmp)
+        for spec_module in SPEC_DIR.glob("*.tla"):
+            shutil.copy(spec_module, work / spec_module.name)
+        (work / f"{module}.tla").write_text(text)
+        (work / f"{module}.cfg").write_text(cfg_text)
+        run = tlc(module, work / f"{module}.cfg", cwd=work, workers=1, timeout=120)
+    found: dict[str, set[int]] = {}
+    for name, bad in re.findall(r'<<\s*"mismatch",\s*"(\w+)",\s*\{([\d,\s]*)\}\s*>>', run.output):
+        found[name] = {int(k) for k in re.findall(r"\d+", bad)}
+    return found, run
