@@ -329,10 +329,16 @@ class EpochDriver:
     def claimed_pool(self) -> tuple[int, ...]:
         """The pool indices this rank claimed in the epoch, in order (applied claims; a resumed
         pooled epoch's start with those of its :class:`TailPosition`)."""
+        return self.claims_since(0)
+
+    def claims_since(self, n: int) -> tuple[int, ...]:
+        """``claimed_pool[n:]``, built from the claims after the first ``n`` only (the collate
+        process reports each batch's new claims: O(new claims) per batch, not O(all))."""
         if not self.pool:
             return ()
         before = self.tail.claimed if self.tail is not None and self.join else ()
-        return before + tuple(k - self._pool_base for k in self.kept[self._first_count:])
+        later = self.kept[self._first_count + max(0, n - len(before)):]
+        return before[n:] + tuple(k - self._pool_base for k in later)
 
     @property
     def pool_applied(self) -> int:

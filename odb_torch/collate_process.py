@@ -456,8 +456,8 @@ class CollateServer:
         so the trainers' pool positions agree at every step)."""
         if not driver.pool:
             return None
-        claimed = driver.claimed_pool
-        new, self._claims_sent = claimed[self._claims_sent:], len(claimed)
+        new = driver.claims_since(self._claims_sent)
+        self._claims_sent += len(new)
         return driver.pool_applied, new
 
     # ---- I/O helpers ------------------------------------------------------------------

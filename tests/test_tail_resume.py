@@ -284,3 +284,16 @@ def test_the_tail_resume_spec_serves_what_the_core_serves_and_catches_seeded_wro
     assert run.outcome == "ok" and set(found) == {"core", "forget_claims", "claims_first"}, run.output[-3000:]
     assert found["core"] == set(), f"the spec resumes otherwise than the core on cases {sorted(found['core'])}"
     assert found["forget_claims"] and found["claims_first"], found
+
+
+def test_claims_since_is_the_tail_of_the_claimed_pool_after_a_resume() -> None:
+    """What the collate process reports per batch (``claims_since``) is ``claimed_pool[n:]`` for
+    every n, before and after the resumed epoch's own claims."""
+    config = ODBConfig(token_budget=40, buffer_size=2, seed=3, shuffle_steps=False, shared_tail=0.6)
+    lengths = [5, 30, 12, 7, 22, 3, 18, 9, 14, 11]
+    drivers, _, _ = start(config, 2, len(lengths), skip=[[], []], tails=[TailPosition(2, (0,)), TailPosition(2, (1,))])
+    run(drivers, lengths)
+    for d in drivers:
+        whole = d.claimed_pool
+        assert len(whole) > 1, "the resumed run claimed more of the pool"
+        assert all(d.claims_since(n) == whole[n:] for n in range(len(whole) + 2))
