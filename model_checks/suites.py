@@ -1,7 +1,6 @@
 """The TLC configurations in spec/cfg/ and what each must produce.
 
-``quick_*`` and ``deep_*`` must pass every invariant and Termination (``quick_nonjoin_3_uneven``: invariants
-only, its Termination in ``deep_nonjoin_3_uneven_termination``, CI's time); ``sanity_*``
+``quick_*`` and ``deep_*`` must pass every invariant and Termination; ``sanity_*``
 must FAIL Termination (restated fairness would be vacuous otherwise); ``mutant_*``
 must FAIL the invariant named in its first-line comment, ``(must fail X)``.
 """

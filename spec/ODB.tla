@@ -436,17 +436,22 @@ Next == \/ \E r \in Ranks : Fetch(r)
         \/ Gather
         \/ Terminating
 
-(* Fairness, restated for TLC's speed: weak fairness on the combined      *)
-(* actions rather than per (rank, view) (2^k tableau blow-up otherwise).   *)
-(* Sound for termination because every Drain and every Fetch is progress. *)
-(* The sanity configurations check that dropping either part breaks it.   *)
+(* Fairness: weak fairness of the one action "some Fetch, some Drain or a *)
+(* Gather". WF of each part implies WF of their disjunction (once no step *)
+(* occurs the state is constant, so whichever part is enabled stays so),  *)
+(* so this assumes less than per-action fairness and Termination under it *)
+(* is the stronger claim. It is also TLC's cheapest form: ENABLED stops at *)
+(* the first enabled disjunct (2.4x faster on quick_nonjoin_3_uneven); a *)
+(* per (rank, view) form gives a 2^k tableau. Every Drain and Fetch is     *)
+(* progress, so they cannot starve the Gather for ever. The sanity         *)
+(* configurations check that dropping Drain or Gather breaks Termination.  *)
 DrainAny == \E r \in Ranks : \E p \in Views(r) : Drain(r, p)
 FetchAny == \E r \in Ranks : Fetch(r)
-Fairness == WF_vars(DrainAny) /\ WF_vars(FetchAny) /\ WF_vars(Gather)
+Fairness == WF_vars(FetchAny \/ DrainAny \/ Gather)
 Spec == Init /\ [][Next]_vars /\ Fairness
 \* Sanity: these must NOT satisfy Termination; CI checks that TLC refutes them.
-SpecNoDeliveryFairness == Init /\ [][Next]_vars /\ WF_vars(FetchAny) /\ WF_vars(Gather)
-SpecNoGatherFairness == Init /\ [][Next]_vars /\ WF_vars(DrainAny) /\ WF_vars(FetchAny)
+SpecNoDeliveryFairness == Init /\ [][Next]_vars /\ WF_vars(FetchAny \/ Gather)
+SpecNoGatherFairness == Init /\ [][Next]_vars /\ WF_vars(FetchAny \/ DrainAny)
 
 ---------------------------------------------------------------------------
 (* Properties.                                                             *)

@@ -1,7 +1,6 @@
 """TLC on the spec, seeded bugs, and conformance between odb_core and the spec (CI).
 
-Every quick configuration must pass all invariants and Termination (one checks Termination in
-its deep_ twin, for suite time); every sanity
+Every quick configuration must pass all invariants and Termination; every sanity
 configuration must FAIL Termination (the restated fairness is not vacuous); every
 mutant configuration must FAIL the invariant it targets; the core's reachable
 abstract states and transitions must equal TLC's (in aligned order; with shuffled
