@@ -8,24 +8,32 @@ chit-chat conversations, chat-templated and tokenized with the Qwen tokenizer in
 ``__getitem__``; ``synthetic`` is lengths from the ``sharegpt4o`` fit with a cheap
 per-token pass. The same ``pad_collate`` is used by all; the fixed batch size is ODB's
 expected samples per step, so all make about the same number of steps. Loaders run in
-turn, ``--repeats`` times, and each loader's best pass counts. Prints samples/s, the ratio
-to ODB, padding and gather payload per data set, then side by side for both data sets
+turn, ``--repeats`` times. Per data set it prints each loader's best pass: samples/s, the
+ratio to ODB, when the first sample started loading and when the first batch arrived,
+padding, gather payload, CPU per sample (all of a rank's processes, start-up included),
+the dataset's ``__getitem__`` CPU per sample (measured where it runs, in the workers) and
+the cores kept busy (CPU per sample x samples/s). Then, side by side for both data sets
 (``--data both``, the default): ODB's overhead per sample per rank once running (its
 steady-state seconds per sample per rank minus the plain loader's), the steady-state
-ratio (samples/s after the first batch, ODB / plain), the end-to-end ratio, and the CPU
-time per sample (all of a rank's processes, start-up included) ODB spends beyond the plain
-loader's, which a machine shared with other jobs disturbs less than wall time. The plain
-loader's workers start as ODB's do (``fork``; ``--plain-start spawn`` for a spawned
-pool, whose start-up lengthens its first batch). Not a test: figures go in notes. The
-reference package runs only when installed (``pip install -e .[bench]``); it uses its
-default (fork) start method, since its cross-rank sync is off under spawn.
+ratio (samples/s after the first batch, ODB / plain), the end-to-end ratio (best pass
+against best pass; and pass by pass, each ODB pass over the plain pass just before it,
+which a machine whose speed drifts disturbs less), the CPU per sample ODB spends beyond
+the plain loader's, and the end-to-end ceiling when CPU-bound: the plain loader's CPU
+per sample over ODB's ``__getitem__`` CPU per sample, the ratio ODB would reach were all
+of its own work free with the cores still busy. The plain loader's workers start as
+ODB's do (``fork``; ``--plain-start spawn`` for a spawned pool, whose start-up lengthens
+its first batch). Not a test: figures go in notes. The reference package runs only when
+installed (``pip install -e .[bench]``); it uses its default (fork) start method, since
+its cross-rank sync is off under spawn.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import resource
+import statistics
 import tempfile
 import time
 from datetime import timedelta
@@ -61,13 +69,44 @@ class SyntheticDataset(Dataset):  # type: ignore[type-arg]
         return {"input_ids": ids, "labels": ids.clone(), "idx": i}
 
 
-def make_dataset(kind: str, n: int) -> Dataset[Any]:
+class TimedDataset(Dataset):  # type: ignore[type-arg]
+    """``inner`` whose ``__getitem__`` CPU time (the calling thread's) adds up in shared
+    memory, inherited by forked workers (plain) and by the forked collate process and its
+    workers (ODB): the per-sample work every loader must do, measured where it runs."""
+
+    def __init__(self, inner: Dataset[Any]) -> None:
+        self.inner = inner
+        self.spent = mp.RawArray("d", 3)  # CPU seconds, samples, when the first load started
+        self.lock = mp.Lock()
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> Any:
+        started, t0 = time.perf_counter(), time.thread_time()  # perf_counter: CLOCK_MONOTONIC, one per machine
+        sample = self.inner[i]
+        spent = time.thread_time() - t0
+        with self.lock:
+            self.spent[0] += spent
+            self.spent[1] += 1
+            self.spent[2] = min(self.spent[2] or started, started)
+        return sample
+
+    def take(self) -> tuple[float, int, float]:
+        """(CPU seconds, samples, the first load's perf_counter or 0) since the last take."""
+        with self.lock:
+            spent, n, first = self.spent[0], int(self.spent[1]), self.spent[2]
+            self.spent[0] = self.spent[1] = self.spent[2] = 0.0
+        return spent, n, first
+
+
+def make_dataset(kind: str, n: int) -> TimedDataset:
     if kind == "chat":
         from odb_tools.demo.chat_data import ChatDataset
 
         full = ChatDataset()
-        return full.subset([i % len(full) for i in range(n)]) if n != len(full) else full
-    return SyntheticDataset(n)
+        return TimedDataset(full.subset([i % len(full) for i in range(n)]) if n != len(full) else full)
+    return TimedDataset(SyntheticDataset(n))
 
 
 def has_reference() -> bool:
@@ -93,6 +132,7 @@ def run_rank(rank: int, world: int, port: int, out: str, args: dict[str, Any]) -
     res: dict[str, list[dict[str, Any]]] = {}
     for k, name in enumerate(args["order"]):
         dist.barrier()
+        ds.take()
         t0, cpu0 = time.perf_counter(), cpu_seconds()
         samples = steps = real = padded = 0
         rounds: dict[int, int] = {}
@@ -142,11 +182,13 @@ def run_rank(rank: int, world: int, port: int, out: str, args: dict[str, Any]) -
                 padded += batch["input_ids"].numel()
             last = time.perf_counter() - t0
         cpu = cpu_seconds() - cpu0
+        getitem, loaded, first_load = ds.take()
         dist.barrier()
         seconds = time.perf_counter() - t0
         res.setdefault(name, []).append({
             "seconds": seconds, "cpu": cpu, "first": first, "last": last, "samples": samples, "steps": steps,
-            "real": real, "padded": padded,
+            "real": real, "padded": padded, "getitem": getitem, "loaded": loaded,
+            "first_load": first_load - t0,
             "payload": sum(payload_bytes(t) for t in rounds.values()) / max(len(rounds), 1)})
     Path(out, f"{rank}.json").write_text(json.dumps(res))
     dist.destroy_process_group()
@@ -185,33 +227,41 @@ def run_data(a: argparse.Namespace, data: str) -> dict[str, float]:
         if any(codes):
             print(f"note: rank exit codes {codes} after writing their results")
 
-    def best(name: str) -> dict[str, Any]:
-        passes = []
+    def passes(name: str) -> list[dict[str, Any]]:
+        out = []
         for k in range(a.repeats):
             rs = [r[name][k] for r in ranks]
             seconds = max(x["seconds"] for x in rs)
             samples = sum(x["samples"] for x in rs)
-            passes.append({"seconds": seconds, "samples": samples, "rate": samples / seconds,
+            out.append({"seconds": seconds, "samples": samples, "rate": samples / seconds,
                            "steady": samples / (seconds - max(x["first"] for x in rs)),
                            "steps": rs[0]["steps"], "padding": 1 - sum(x["real"] for x in rs) / sum(x["padded"] for x in rs),
                            "payload": rs[0]["payload"], "first": max(x["first"] for x in rs),
-                           "cpu": sum(x["cpu"] for x in rs) / samples * 1e6})
-        return max(passes, key=lambda p: p["rate"])
+                           "first_load": max(x["first_load"] for x in rs),
+                           "cpu": sum(x["cpu"] for x in rs) / samples * 1e6,
+                        "getitem": sum(x["getitem"] for x in rs) / max(sum(x["loaded"] for x in rs), 1) * 1e6})
+        return out
 
-    agg = {k: best(k) for k in names}
+    runs = {k: passes(k) for k in names}
+    agg = {k: max(v, key=lambda p: p["rate"]) for k, v in runs.items()}
     print(f"W=2, data {data}, {a.samples} samples, {a.workers} workers/rank, budget {a.budget}, buffer {a.buffer}; "
           f"fixed batch size {batch_size}; plain workers by {a.plain_start}; best of {a.repeats} passes")
-    print("| loader | samples/s | vs ODB | samples/s after first batch | first batch (s) | steps/rank | samples/step "
-          "| padding | gather B/rank/round | CPU us/sample |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| loader | samples/s | vs ODB | samples/s after first batch | first load (s) | first batch (s) | steps/rank "
+          "| samples/step "
+          "| padding | gather B/rank/round | CPU us/sample | __getitem__ CPU us/sample | cores busy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for k in names:
         v = agg[k]
-        print(f"| {k} | {v['rate']:.0f} | {v['rate'] / agg['odb']['rate']:.2f} | {v['steady']:.0f} | {v['first']:.2f} | "
+        print(f"| {k} | {v['rate']:.0f} | {v['rate'] / agg['odb']['rate']:.2f} | {v['steady']:.0f} | "
+              f"{v['first_load']:.2f} | {v['first']:.2f} | "
               f"{v['steps']} | {v['samples'] / 2 / max(v['steps'], 1):.1f} | {v['padding']:.1%} | "
-              f"{v['payload'] if k == 'odb' else (2 + 2 * a.buffer) * 8 if k == 'reference' else 0:.0f} | {v['cpu']:.0f} |")
+              f"{v['payload'] if k == 'odb' else (2 + 2 * a.buffer) * 8 if k == 'reference' else 0:.0f} | {v['cpu']:.0f} | "
+              f"{v['getitem']:.0f} | {v['cpu'] * v['rate'] / 1e6:.2f} |")
     odb, plain = agg["odb"], agg["plain"]
     result = {"overhead_us": (2 / odb["steady"] - 2 / plain["steady"]) * 1e6, "steady": odb["steady"] / plain["steady"],
-              "end_to_end": odb["rate"] / plain["rate"], "cpu_us": odb["cpu"] - plain["cpu"]}
+              "end_to_end": odb["rate"] / plain["rate"], "cpu_us": odb["cpu"] - plain["cpu"],
+              "ceiling": plain["cpu"] / odb["getitem"],
+              "pairs": sorted(o["rate"] / p["rate"] for o, p in zip(runs["odb"], runs["plain"]))}
     if "reference" in agg:
         print(f"ODB / reference samples/s: {odb['rate'] / agg['reference']['rate']:.3f}")
     print()
@@ -234,10 +284,13 @@ def main() -> None:
     if a.raw:
         return
     print("| data | ODB overhead per sample per rank, once running (us) | steady state ODB / plain "
-          "| end to end ODB / plain | ODB CPU per sample beyond plain's (us) |")
-    print("|---|---|---|---|---|")
+          "| end to end ODB / plain | end to end, pass by pass (median; range) | ODB CPU per sample beyond plain's (us) "
+          "| end-to-end ceiling when CPU-bound |")
+    print("|---|---|---|---|---|---|---|")
     for d, r in results.items():
-        print(f"| {d} | {r['overhead_us']:.0f} | {r['steady']:.3f} | {r['end_to_end']:.3f} | {r['cpu_us']:.0f} |")
+        pairs = r["pairs"]
+        print(f"| {d} | {r['overhead_us']:.0f} | {r['steady']:.3f} | {r['end_to_end']:.3f} | "
+              f"{statistics.median(pairs):.3f}; {pairs[0]:.3f}-{pairs[-1]:.3f} | {r['cpu_us']:.0f} | {r['ceiling']:.3f} |")
     print("targets: overhead <= 50 us, steady state >= 0.95, end to end >= 1.2")
 
 
