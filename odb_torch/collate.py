@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import default_collate
 
 #: fields padded to the batch's longest sample, and their fill values by default
@@ -21,25 +22,41 @@ def pad_collate(samples: Sequence[Mapping[str, Any]], pad_id: int = 0, label_pad
 
     Samples without an ``attention_mask`` get one, as Hugging Face models expect: int64,
     1 over each sample's ``input_ids`` and 0 over its padding. ``attention_mask=False``
-    adds none (an ``attention_mask`` the samples carry is still padded).
+    adds none (an ``attention_mask`` the samples carry is still padded). A padded field
+    longer than the batch's longest ``input_ids`` is a ValueError naming it and the sample.
     """
-    width = max(len(s["input_ids"]) for s in samples)
+    lengths = [_length(s["input_ids"]) for s in samples]
+    width = max(lengths)
     fills = {"input_ids": pad_id, "labels": label_pad_id, "attention_mask": 0}
     out: dict[str, Any] = {}
     for key in samples[0]:
         values = [s[key] for s in samples]
         if key in fills:
-            out[key] = _pad([torch.as_tensor(v) for v in values], width, fills[key])
+            out[key] = _pad([torch.as_tensor(v) for v in values], width, fills[key], key)
         else:
             out[key] = default_collate(values)
     if attention_mask and "attention_mask" not in out:
-        out["attention_mask"] = _pad([torch.ones(len(s["input_ids"]), dtype=torch.int64) for s in samples], width, 0)
+        out["attention_mask"] = (torch.arange(width) < torch.tensor(lengths)[:, None]).to(torch.int64)
     return out
 
 
-def _pad(rows: list[torch.Tensor], width: int, fill: int) -> torch.Tensor:
-    """``rows`` right-padded with ``fill`` to ``width``, stacked (the first row's dtype)."""
-    batch = torch.full((len(rows), width), fill, dtype=rows[0].dtype)
+def _length(x: Any) -> int:
+    return x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else len(x)
+
+
+def _pad(rows: list[torch.Tensor], width: int, fill: int, key: str) -> torch.Tensor:
+    """``rows`` right-padded with ``fill`` to ``width``, stacked (the first row's dtype);
+    ValueError naming ``key`` and the sample if a row is longer than ``width``."""
+    dtype = rows[0].dtype
+    if all(r.dim() == 1 and r.dtype == dtype for r in rows):
+        longest = max(range(len(rows)), key=lambda k: rows[k].shape[0])
+        if rows[longest].shape[0] > width:
+            raise ValueError(f"pad_collate: {key!r} of sample {longest} in the batch has {rows[longest].shape[0]} "
+                             f"entries, more than its input_ids' longest ({width})")
+        batch = pad_sequence(rows, batch_first=True, padding_value=fill)
+        return batch if batch.shape[1] == width else torch.nn.functional.pad(batch, (0, width - batch.shape[1]),
+                                                                            value=fill)
+    batch = torch.full((len(rows), width), fill, dtype=dtype)
     for k, row in enumerate(rows):
         batch[k, : len(row)] = row
     return batch

@@ -76,3 +76,30 @@ def test_sample_packing_round_trips_structure_values_and_dtypes():
         for key in ("input_ids", "pixel"):
             assert b[key].dtype == a[key].dtype and torch.equal(b[key], a[key])
         assert [t.item() for t in b["meta"][1]] == [t.item() for t in a["meta"][1]]
+
+
+def test_a_field_longer_than_the_input_ids_is_a_value_error_naming_field_and_sample():
+    """Padding to the longest input_ids cannot hold a longer label row: a clear error, never a cut."""
+    samples = [{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [3], "labels": [3, 4, 5]}]
+    try:
+        pad_collate(samples)
+    except ValueError as exc:
+        assert "'labels' of sample 1" in str(exc) and "3 entries" in str(exc)
+    else:
+        raise AssertionError("a labels row longer than every input_ids row was padded without error")
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=token_rows, data=st.data())
+def test_rows_of_mixed_dtypes_or_shorter_labels_pad_like_a_row_by_row_copy(rows, data):
+    """Shorter label rows are padded to the input_ids' width; rows of another dtype take the
+    first row's dtype (the path that cannot use pad_sequence)."""
+    cut = [r[: data.draw(st.integers(0, len(r)))] for r in rows]
+    dtypes = [data.draw(st.sampled_from([torch.int64, torch.int32])) for _ in rows]
+    samples = [{"input_ids": torch.tensor(r, dtype=d), "labels": torch.tensor(c, dtype=d)}
+               for r, c, d in zip(rows, cut, dtypes)]
+    batch = pad_collate(samples)
+    width = max(map(len, rows))
+    for key, fill, values in (("input_ids", 0, rows), ("labels", -100, cut)):
+        assert batch[key].dtype == dtypes[0]
+        assert batch[key].tolist() == [v + [fill] * (width - len(v)) for v in values]
