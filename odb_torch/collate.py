@@ -47,12 +47,12 @@ def _length(x: Any) -> int:
 def _pad(rows: list[torch.Tensor], width: int, fill: int, key: str) -> torch.Tensor:
     """``rows`` right-padded with ``fill`` to ``width``, stacked (the first row's dtype);
     ValueError naming ``key`` and the sample if a row is longer than ``width``."""
-    dtype = rows[0].dtype
+    dtype, sizes = rows[0].dtype, [_length(r) for r in rows]
+    longest = max(range(len(rows)), key=sizes.__getitem__)
+    if sizes[longest] > width:
+        raise ValueError(f"pad_collate: {key!r} of sample {longest} in the batch has {sizes[longest]} "
+                         f"entries, more than its input_ids' longest ({width})")
     if all(r.dim() == 1 and r.dtype == dtype for r in rows):
-        longest = max(range(len(rows)), key=lambda k: rows[k].shape[0])
-        if rows[longest].shape[0] > width:
-            raise ValueError(f"pad_collate: {key!r} of sample {longest} in the batch has {rows[longest].shape[0]} "
-                             f"entries, more than its input_ids' longest ({width})")
         batch = pad_sequence(rows, batch_first=True, padding_value=fill)
         return batch if batch.shape[1] == width else torch.nn.functional.pad(batch, (0, width - batch.shape[1]),
                                                                             value=fill)

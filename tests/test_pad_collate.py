@@ -80,13 +80,15 @@ def test_sample_packing_round_trips_structure_values_and_dtypes():
 
 def test_a_field_longer_than_the_input_ids_is_a_value_error_naming_field_and_sample():
     """Padding to the longest input_ids cannot hold a longer label row: a clear error, never a cut."""
-    samples = [{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [3], "labels": [3, 4, 5]}]
-    try:
-        pad_collate(samples)
-    except ValueError as exc:
-        assert "'labels' of sample 1" in str(exc) and "3 entries" in str(exc)
-    else:
-        raise AssertionError("a labels row longer than every input_ids row was padded without error")
+    mixed = [torch.tensor([1, 2]), torch.tensor([3, 4, 5], dtype=torch.int32)]  # the row-by-row path
+    for labels in ([[1, 2], [3, 4, 5]], mixed):
+        samples = [{"input_ids": [1, 2], "labels": labels[0]}, {"input_ids": [3], "labels": labels[1]}]
+        try:
+            pad_collate(samples)
+        except ValueError as exc:
+            assert "'labels' of sample 1" in str(exc) and "3 entries" in str(exc)
+        else:
+            raise AssertionError("a labels row longer than every input_ids row was padded without error")
 
 
 @settings(max_examples=100, deadline=None)
