@@ -41,6 +41,7 @@ def pad_collate(samples: Sequence[Mapping[str, Any]], pad_id: int = 0, label_pad
 
 
 def _length(x: Any) -> int:
+    """A row's length: a tensor's first dimension (no ``Tensor.__len__`` dispatch), else ``len``."""
     return x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else len(x)
 
 
