@@ -21,7 +21,8 @@ which a machine whose speed drifts disturbs less), the CPU per sample ODB spends
 the plain loader's, and the end-to-end ceiling when CPU-bound, pass by pass like the
 ratio: the plain loader's CPU per sample over ODB's ``__getitem__`` CPU per sample in the
 pass just after, the ratio ODB would reach were all of its own work free with the cores
-still busy. The plain loader's workers start as
+still busy. Each trainer rank runs one torch thread (``--trainer-threads 0``: torch's
+default, one per core, as a script that sets none). The plain loader's workers start as
 ODB's do (``fork``; ``--plain-start spawn`` for a spawned pool, whose start-up lengthens
 its first batch). Not a test: figures go in notes. The reference package runs only when
 installed (``pip install -e .[bench]``); it uses its default (fork) start method, since
@@ -126,7 +127,8 @@ def cpu_seconds() -> float:
 
 
 def run_rank(rank: int, world: int, port: int, out: str, args: dict[str, Any]) -> None:
-    torch.set_num_threads(1)
+    if args["trainer_threads"]:
+        torch.set_num_threads(args["trainer_threads"])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=900))
     ds = make_dataset(args["data"], args["samples"])
@@ -210,7 +212,8 @@ def run_data(a: argparse.Namespace, data: str) -> dict[str, float]:
     batch_size = max(1, round(len(lengths) / len(groups)))
     names = ["plain", "odb"] + (["reference"] if has_reference() and not a.no_reference else [])
     args = {"samples": a.samples, "workers": a.workers, "budget": a.budget, "buffer": a.buffer, "data": data,
-            "batch_size": batch_size, "order": names * a.repeats, "plain_start": a.plain_start}
+            "batch_size": batch_size, "order": names * a.repeats, "plain_start": a.plain_start,
+            "trainer_threads": a.trainer_threads}
     if a.raw:
         args["order"] = a.raw.split(",")
     with tempfile.TemporaryDirectory() as out:
@@ -246,7 +249,8 @@ def run_data(a: argparse.Namespace, data: str) -> dict[str, float]:
     runs = {k: passes(k) for k in names}
     agg = {k: max(v, key=lambda p: p["rate"]) for k, v in runs.items()}
     print(f"W=2, data {data}, {a.samples} samples, {a.workers} workers/rank, budget {a.budget}, buffer {a.buffer}; "
-          f"fixed batch size {batch_size}; plain workers by {a.plain_start}; best of {a.repeats} passes")
+          f"fixed batch size {batch_size}; plain workers by {a.plain_start}; "
+          f"trainer threads {a.trainer_threads or 'torch default'}; best of {a.repeats} passes")
     print("| loader | samples/s | vs ODB | samples/s after first batch | first load (s) | first batch (s) | steps/rank "
           "| samples/step "
           "| padding | gather B/rank/round | CPU us/sample | __getitem__ CPU us/sample | cores busy |")
@@ -280,6 +284,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--plain-start", choices=["fork", "spawn", "forkserver"], default="fork")
     ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--trainer-threads", type=int, default=1,
+                    help="torch intra-op threads of each trainer rank (0: torch's default, one per core, as a "
+                         "training script that sets none runs; the collate process and the workers it forks "
+                         "inherit the setting unless they set their own)")
     ap.add_argument("--raw", default="", help="comma-separated loaders to run once; print per-rank raw figures")
     a = ap.parse_args()
     results = {d: run_data(a, d) for d in (["chat", "synthetic"] if a.data == "both" else [a.data])}
