@@ -14,7 +14,8 @@ from the same initial weights over the same samples:
 
 The fixed batch size is ODB's expected samples per step, so all make about as many steps.
 Per method: samples/s and real tokens/s (end to end, from building the loader to the last
-step, after one untimed warm-up step per method), padding (1 - real / processed tokens) and
+step, after one untimed warm-up step per method; on a GPU every loader pins its batches,
+``pin_memory=True``, and a batch that arrives unpinned is an error), padding (1 - real / processed tokens) and
 peak memory (``torch.cuda.max_memory_allocated`` on CUDA; on CPU the process's RSS high-water
 mark, reset per method). ``--size tiny`` is a seconds-long CPU run (the test); ``--size full``
 a ~0.5B-parameter model in bf16 (``--device cuda``):
@@ -99,19 +100,22 @@ def fixed_batch_size(lengths: list[int], token_budget: int, buffer_size: int) ->
     return max(1, round(len(lengths) / max(groups, 1)))
 
 
-def loader_for(method: str, data: ChatSamples, size: dict[str, Any], batch_size: int, seed: int) -> Iterable[Any]:
-    """The batches of ``method`` over ``data`` (one epoch)."""
+def loader_for(method: str, data: ChatSamples, size: dict[str, Any], batch_size: int, seed: int,
+               pin: bool = False) -> Iterable[Any]:
+    """The batches of ``method`` over ``data`` (one epoch), page-locked if ``pin``."""
     workers = size["workers"]
     if method in ("odb", "odb_packed"):
         budget: Literal["padded", "packed"] = "packed" if method == "odb_packed" else "padded"
         config = ODBConfig(token_budget=size["token_budget"], budget=budget, buffer_size=size["buffer_size"], seed=seed)
         return ODBDataLoader(data, config=config, collate_fn=packed_collate if budget == "packed" else pad_collate,
-                             num_workers=workers, loss_tokens_fn=shifted_loss_tokens, rank=0, world_size=1)
+                             num_workers=workers, loss_tokens_fn=shifted_loss_tokens, rank=0, world_size=1,
+                             pin_memory=pin)
     if method == "sorted":
         sampler = LengthGroupedBatches(data.lengths, batch_size, 0, 1, seed)
-        return DataLoader(data, batch_sampler=sampler, collate_fn=pad_collate, num_workers=workers)
+        return DataLoader(data, batch_sampler=sampler, collate_fn=pad_collate, num_workers=workers, pin_memory=pin)
     if method == "standard":
         return DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=pad_collate, num_workers=workers,
+                          pin_memory=pin,
                           generator=torch.Generator().manual_seed(seed))
     raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
 
@@ -177,9 +181,12 @@ def train_method(method: str, data: ChatSamples, size: dict[str, Any], batch_siz
     memory.reset()
     samples = real = processed = steps = widest = 0
     started = time.perf_counter()
-    loader = loader_for(method, data, size, batch_size, seed)
+    pin = device.startswith("cuda")  # every method's batches page-locked on a GPU, as trainers run
+    loader = loader_for(method, data, size, batch_size, seed, pin)
     try:
         for batch in _steps(loader):
+            if pin and not batch["input_ids"].is_pinned():
+                raise RuntimeError(f"{method}: a batch arrived unpinned although pin_memory=True")
             inputs = _on(batch, device)
             model(**inputs).loss.backward()
             opt.step()

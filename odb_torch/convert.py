@@ -17,10 +17,11 @@ over the whole dataset, a non-distributed custom sampler under DDP, ``drop_last=
 (ODB yields every sample once: there is no last partial batch to drop), a
 ``worker_init_fn`` (ODB's workers run their own), a DataLoader subclass. Pass an ODB keyword
 (``sampler=``, ``collate_fn=`` ...) to replace a field, or ``ignore=("drop_last",
-"worker_init_fn", "type")`` to accept losing those. ``pin_memory``, ``pin_memory_device``,
-``persistent_workers``, ``in_order`` and ``generator`` only tune speed or randomness and
-are dropped: batches reach the trainer through a queue from ODB's persistent collate
-process, and shuffling follows ODB's seed.
+"worker_init_fn", "type")`` to accept losing those. ``pin_memory`` is kept (the trainer
+pins each batch, :mod:`odb_torch.pinning`). ``pin_memory_device``, ``persistent_workers``,
+``in_order`` and ``generator`` only tune speed or randomness and are dropped: batches reach
+the trainer through a queue from ODB's persistent collate process, and shuffling follows
+ODB's seed.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def _read_fields(dl: DataLoader[Any]) -> dict[str, Any]:
     """The DataLoader fields ODB keeps, as :class:`ODBDataLoader` keywords."""
     workers = int(dl.num_workers)
     keywords: dict[str, Any] = {"collate_fn": dl.collate_fn, "num_workers": workers,
-                                "prefetch_factor": dl.prefetch_factor if workers else None}
+                                "prefetch_factor": dl.prefetch_factor if workers else None,
+                                "pin_memory": bool(dl.pin_memory)}
     context = dl.multiprocessing_context
     if workers and context is not None:
         keywords["worker_start_method"] = context if isinstance(context, str) else context.get_start_method()

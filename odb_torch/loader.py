@@ -6,6 +6,7 @@ import inspect
 import queue
 import signal
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NoReturn
@@ -33,6 +34,7 @@ from odb_torch.elastic import (
 )
 from odb_torch.loader_options import CONFIG_DEFAULT, collate_rendezvous, protocol_config, rank_and_world
 from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, decode
+from odb_torch.pinning import pin_batch, pinning_available
 from odb_torch.process_guard import close_at_exit
 from odb_torch.shared_tail import check_tail_sampler
 from odb_torch.start_failure import StartMethod, check_spawnable, explain_start_failure, resolve_start_method
@@ -125,6 +127,11 @@ class ODBDataLoader:
         element_id: streams: the key of each element's own integer identity (e.g. ``"id"``),
             unique in the epoch: ``step_info.indices`` and the resume's checks use it instead
             of the element's stream position (README "Streaming").
+        pin_memory: copy each yielded batch's tensors into page-locked memory, in the
+            trainer, as a plain DataLoader's ``pin_memory=True`` does (so ``.to("cuda",
+            non_blocking=True)`` is asynchronous; :mod:`odb_torch.pinning`). Where no
+            accelerator is available it warns once, as DataLoader does, and leaves batches
+            as they are. Default False.
     """
 
     driver_cls: type[EpochDriver] = EpochDriver
@@ -163,6 +170,7 @@ class ODBDataLoader:
         queue_size: int = 8,
         idle_sample: Any = None,
         element_id: str | None = None,
+        pin_memory: bool = False,
     ) -> None:
         self.config = protocol_config(config, token_budget, dict(
             buffer_size=buffer_size, depth=depth, mode=mode, loss_scaling=loss_scaling, target_policy=target_policy,
@@ -190,6 +198,10 @@ class ODBDataLoader:
             worker_start_method=worker_start_method or ("fork" if "fork" in tmp.get_all_start_methods() else "spawn"),
         )
         self.skip_idle = skip_idle
+        self.pin_memory = pin_memory and pinning_available()
+        if pin_memory and not self.pin_memory:
+            warnings.warn(f"rank {rank}: pin_memory=True but no accelerator is available: batches are not pinned",
+                          UserWarning, stacklevel=2)
         self.timeout = timeout
         self.epoch = 0
         self._start_method = resolve_start_method(start_method, tmp.get_all_start_methods())
@@ -416,7 +428,7 @@ class ODBDataLoader:
             self._recent.append((*pending, item.resume))
             pending = (0, 0)
             self._step_info = item.info
-            yield item.batch
+            yield pin_batch(item.batch) if self.pin_memory else item.batch
             if self._generation != generation:
                 raise LoaderStateError(f"rank {self.rank}: next() on a stale loader iterator: {self._stale_reason}; "
                                        "start a new `for batch in loader` loop", rank=self.rank)

@@ -110,7 +110,7 @@ def configs(draw: Any) -> dict[str, Any]:
         "workers": workers, "prefetch": draw(st.sampled_from([None, 1, 3])) if workers else None,
         "context": draw(st.sampled_from([None, "spawn", "fork", "context"])) if workers else None,
         "worker_init": draw(rarely), "timeout": draw(st.sampled_from([0, 7.5])),
-        "collate": draw(st.booleans()), "subclass": draw(rarely),
+        "collate": draw(st.booleans()), "subclass": draw(rarely), "pin": draw(st.booleans()),
         "ignore": sorted(draw(st.sets(st.sampled_from(sorted(IGNORABLE))))),
     }
 
@@ -124,7 +124,7 @@ def build(c: dict[str, Any]) -> tuple[DataLoader[Any], Any]:
     context = tmp.get_context("spawn") if c["context"] == "context" else c["context"]
     kw: dict[str, Any] = dict(num_workers=c["workers"], prefetch_factor=c["prefetch"], multiprocessing_context=context,
                               worker_init_fn=seed_workers if c["worker_init"] else None, timeout=c["timeout"],
-                              collate_fn=tagged_collate if c["collate"] else None)
+                              collate_fn=tagged_collate if c["collate"] else None, pin_memory=c["pin"])
     cls = FrameworkLoader if c["subclass"] else DataLoader
     shuffle = c["shuffle"] and sampler is None and not c["iterable"]
     if c["batching"] == "size":
@@ -192,6 +192,7 @@ def test_conversion_refuses_exactly_the_unconvertible_fields_and_keeps_the_rest(
     assert kw.get("worker_start_method") == ({"context": "spawn"}.get(c["context"], c["context"]) if c["workers"]
                                             else None)
     assert kw.get("timeout") == (7.5 if c["timeout"] else None)
+    assert kw["pin_memory"] is c["pin"], "pin_memory is kept"
     if type(drawn_from) in (SequentialSampler, RandomSampler):  # mapped to ODB's seeded shards
         assert kw["sampler"] is None and kw["shuffle"] == (type(drawn_from) is RandomSampler)
         views = shard_counts(kw, dataset, world)

@@ -151,7 +151,8 @@ class ODBTrainer(Trainer):
         token_budget: L_max, padded tokens per micro-batch.
         odb_kwargs: further :class:`~odb_torch.ODBDataLoader` keywords (``buffer_size``,
             ``length_fn``, ``timeout``, ...). ``num_workers`` defaults to
-            ``args.dataloader_num_workers``, ``seed`` to ``args.seed``, ``loss_tokens_fn`` to
+            ``args.dataloader_num_workers``, ``pin_memory`` to ``args.dataloader_pin_memory``,
+            ``seed`` to ``args.seed``, ``loss_tokens_fn`` to
             :func:`~odb_torch.losses.shifted_loss_tokens`, ``collate_fn`` to the
             ``data_collator`` (default :func:`~odb_torch.pad_collate`; under ``budget="packed"``
             :func:`~odb_torch.packed_collate`, and a model that would let packed sequences attend
@@ -221,6 +222,7 @@ class ODBTrainer(Trainer):
         """ODB batches in windows of ``gradient_accumulation_steps`` (the loader is built once per ``train()``)."""
         if self.odb_windows is None:
             kw: dict[str, Any] = {"num_workers": self.args.dataloader_num_workers, "seed": self.args.seed,
+                                  "pin_memory": self.args.dataloader_pin_memory,
                                   "loss_tokens_fn": shifted_loss_tokens, "collate_fn": self.odb_collate,
                                   **self.odb_kwargs}
             if kw["num_workers"] == 0:

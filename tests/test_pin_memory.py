@@ -1,0 +1,143 @@
+"""``pin_memory=True``: every tensor of a yielded batch page-locked, the batch otherwise unchanged.
+
+This machine has no accelerator, so the tests here check the walk with an injected pin
+function (every tensor leaf, inside any nesting the loader hands over, and nothing else), the
+loader's refusal to pin without an accelerator (a warning, as DataLoader gives, and batches
+equal to unpinned ones), and that the Hugging Face adapter passes ``dataloader_pin_memory``.
+``benchmarks/bench_gpu.py`` pins on a GPU and asserts the batches it moves are pinned.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections import UserDict
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from odb_torch.pinning import pin_batch, pinning_available
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Marked:
+    """What the injected pin function returns: the leaf it was given."""
+
+    def __init__(self, of: object) -> None:
+        self.of = of
+
+
+class CustomBatch:
+    """A leaf with its own pin_memory method (the DataLoader contract for custom batch types)."""
+
+    def pin_memory(self) -> CustomBatch:
+        return self
+
+
+leaves = st.one_of(st.integers(), st.text(max_size=3), st.none(),
+                   st.integers(0, 4).map(lambda n: torch.arange(n)), st.just(CustomBatch()))
+batches = st.recursive(leaves, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.lists(inner, max_size=3).map(tuple),
+    st.dictionaries(st.text(max_size=2), inner, max_size=3),
+    st.dictionaries(st.text(max_size=2), inner, max_size=3).map(UserDict)), max_leaves=12)
+
+
+def expected(x: object) -> object:
+    if isinstance(x, torch.Tensor | CustomBatch):
+        return ("pinned", id(x))
+    if isinstance(x, UserDict):
+        return ("userdict", {k: expected(v) for k, v in x.data.items()})
+    if type(x) is dict:
+        return {k: expected(v) for k, v in x.items()}
+    if type(x) in (list, tuple):
+        return type(x)(expected(v) for v in x)
+    return x
+
+
+def seen(x: object) -> object:
+    if isinstance(x, Marked):
+        return ("pinned", id(x.of))
+    if isinstance(x, UserDict):
+        return ("userdict", {k: seen(v) for k, v in x.data.items()})
+    if type(x) is dict:
+        return {k: seen(v) for k, v in x.items()}
+    if type(x) in (list, tuple):
+        return type(x)(seen(v) for v in x)
+    return x
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches)
+def test_every_tensor_and_pinnable_leaf_is_pinned_and_nothing_else_changes(batch):
+    assert seen(pin_batch(batch, pin=Marked)) == expected(batch)
+
+
+CHILD = """
+    import json, warnings
+    from odb_torch import ODBDataLoader
+
+    data = [{"input_ids": list(range(1 + i % 5))} for i in range(24)]
+    out = {}
+    for pin in (False, True):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loader = ODBDataLoader(data, token_budget=16, collate_fn=lambda b: [s["input_ids"] for s in b],
+                                   num_workers=0, world_size=1, rank=0, timeout=60, pin_memory=pin)
+        out[str(pin)] = {"batches": [b for b in loader], "attr": loader.pin_memory,
+                         "warnings": [str(w.message) for w in caught if "pin_memory" in str(w.message)]}
+        loader.close()
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(pinning_available(), reason="checks the no-accelerator path")
+def test_without_an_accelerator_pin_memory_warns_once_and_yields_the_same_batches():
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(CHILD)], capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    plain, pinned = got["False"], got["True"]
+    assert plain["warnings"] == [] and not plain["attr"]
+    assert len(pinned["warnings"]) == 1 and "rank 0" in pinned["warnings"][0], pinned["warnings"]
+    assert pinned["attr"] is False, "nothing to pin into"
+    assert pinned["batches"] == plain["batches"] and plain["batches"], "pinning asked for changes no batch"
+
+
+def test_hf_trainer_passes_dataloader_pin_memory_to_the_loader(tmp_path):
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    from odb_tools.demo.synthetic import TokenDataset
+    from odb_torch.integrations.hf import ODBTrainer
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256))
+    for flag in (False, True):
+        args = TrainingArguments(output_dir=str(tmp_path / str(flag)), report_to=[], disable_tqdm=True,
+                                 dataloader_pin_memory=flag, num_train_epochs=1, save_strategy="no")
+        trainer = ODBTrainer(model=model, args=args, train_dataset=TokenDataset(8), token_budget=64,
+                             odb_kwargs={"num_workers": 0, "buffer_size": 4, "timeout": 60})
+        with pytest.warns(UserWarning, match="pin_memory=True") if flag and not pinning_available() else \
+                _no_pin_warning():
+            loader = trainer.get_train_dataloader()
+        assert trainer.odb_windows.loader.pin_memory is (flag and pinning_available()), loader
+        trainer.odb_windows.loader.close()
+
+
+class _no_pin_warning:
+    """A context that fails if a pin_memory warning is raised inside it."""
+
+    def __enter__(self) -> None:
+        import warnings
+
+        self._ctx = warnings.catch_warnings(record=True)
+        self._caught = self._ctx.__enter__()
+        warnings.simplefilter("always")
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.__exit__(*exc)
+        assert not [w for w in self._caught if "pin_memory" in str(w.message)]
