@@ -414,6 +414,8 @@ class ODBDataLoader:
             if isinstance(item, Failure):
                 self._fail(item.error)
             assert isinstance(item, Batch), f"unexpected message {item!r}"
+            skipped = item.info.is_idle and self.skip_idle
+            batch = pin_batch(item.batch) if self.pin_memory and not skipped else item.batch  # before any state
             self._consumed.extend(item.positions)
             if item.tail is not None:  # a pooled epoch: the pool's position after this step's round
                 self._tail = TailPosition(item.tail[0], self._tail.claimed + item.tail[1])
@@ -421,14 +423,14 @@ class ODBDataLoader:
                 self._consumed_ids.extend(item.info.indices)
             self._steps += 1
             pending = (pending[0] + len(item.positions), pending[1] + 1)
-            if item.info.is_idle and self.skip_idle:
+            if skipped:
                 continue
             if len(self._recent) == self._recent.maxlen:
                 self._stream_point = self._recent[0][2]
             self._recent.append((*pending, item.resume))
             pending = (0, 0)
             self._step_info = item.info
-            yield pin_batch(item.batch) if self.pin_memory else item.batch
+            yield batch
             if self._generation != generation:
                 raise LoaderStateError(f"rank {self.rank}: next() on a stale loader iterator: {self._stale_reason}; "
                                        "start a new `for batch in loader` loop", rank=self.rank)

@@ -2,32 +2,68 @@
 
 As a plain ``DataLoader`` with ``pin_memory=True`` does, every tensor of a yielded batch is
 copied into page-locked memory, so that ``tensor.to("cuda", non_blocking=True)`` is an
-asynchronous copy. The batch's structure is kept: exact dicts, lists and tuples and a
-``collections.UserDict``'s ``data`` (Hugging Face's ``BatchEncoding``) are walked as
-:mod:`odb_torch.batch_transfer` walks them; any other leaf with a ``pin_memory()`` method is
-replaced by what that method returns (the ``DataLoader`` contract for custom batch types);
-other leaves are kept. Moving data only: nothing here decides anything (P1-P8 are the core's).
+asynchronous copy, and the batch's containers are rebuilt around the pinned leaves with
+the contract of ``DataLoader``'s pinning: any leaf with a ``pin_memory()`` method (a
+tensor, a custom batch type) is replaced by what it returns; strings and bytes are kept;
+a mapping is copied and updated (a mutable one: ``OrderedDict``, ``defaultdict``, a dict
+subclass, Hugging Face's ``BatchEncoding``) or rebuilt from a dict, a plain dict where
+neither works; a namedtuple, tuple or other sequence is rebuilt as its own type (a
+mutable one copied and set item by item), a list where that fails; anything else is
+kept. Moving data only: nothing here decides anything (P1-P8 are the core's).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any
 
 import torch
 
-from odb_torch.batch_transfer import map_leaves
-
 
 def pin_batch(batch: Any, pin: Callable[[Any], Any] | None = None) -> Any:
     """``batch`` with every leaf that has a ``pin_memory()`` method replaced by ``pin(leaf)``
-    (default: ``leaf.pin_memory()``); structure and the other leaves are kept."""
-    def leaf(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) or callable(getattr(x, "pin_memory", None)):
-            return x.pin_memory() if pin is None else pin(x)
-        return x
+    (default: ``leaf.pin_memory()``), its containers rebuilt as the module says."""
+    if isinstance(batch, torch.Tensor) or callable(getattr(batch, "pin_memory", None)):
+        return batch.pin_memory() if pin is None else pin(batch)
+    if isinstance(batch, str | bytes | bytearray):
+        return batch
+    if isinstance(batch, Mapping):
+        return _mapping(batch, {k: pin_batch(v, pin) for k, v in batch.items()})
+    if isinstance(batch, tuple):
+        items = [pin_batch(v, pin) for v in batch]
+        try:
+            return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+        except TypeError:
+            return tuple(items)
+    if isinstance(batch, Sequence):
+        return _sequence(batch, [pin_batch(v, pin) for v in batch])
+    return batch
 
-    return map_leaves(batch, leaf)
+
+def _mapping(original: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
+    """``original``'s type around ``items``: a copy updated (mutable), rebuilt, or a dict."""
+    try:
+        if isinstance(original, MutableMapping):
+            clone = copy.copy(original)
+            clone.update(items)
+            return clone
+        return type(original)(items)  # type: ignore[call-arg]
+    except TypeError:
+        return items
+
+
+def _sequence(original: Sequence[Any], items: list[Any]) -> Any:
+    """``original``'s type around ``items``: a copy set item by item (mutable), rebuilt, or a list."""
+    try:
+        if isinstance(original, MutableSequence):
+            clone = copy.copy(original)
+            for i, item in enumerate(items):
+                clone[i] = item
+            return clone
+        return type(original)(items)  # type: ignore[call-arg]
+    except TypeError:
+        return items
 
 
 def pinning_available() -> bool:

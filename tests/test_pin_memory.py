@@ -4,7 +4,9 @@ This machine has no accelerator, so the tests here check the walk with an inject
 function (every tensor leaf, inside any nesting the loader hands over, and nothing else), the
 loader's refusal to pin without an accelerator (a warning, as DataLoader gives, and batches
 equal to unpinned ones), and that the Hugging Face adapter passes ``dataloader_pin_memory``.
-``benchmarks/bench_gpu.py`` pins on a GPU and asserts the batches it moves are pinned.
+On a machine with an accelerator the last test pins for real (every tensor of every batch,
+inside an ``OrderedDict`` and a namedtuple), and ``benchmarks/bench_gpu.py`` pins on a GPU
+and refuses a batch that arrives unpinned.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import json
 import subprocess
 import sys
 import textwrap
-from collections import UserDict
+from collections import OrderedDict, UserDict, defaultdict, namedtuple
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -39,42 +43,54 @@ class CustomBatch:
         return self
 
 
-leaves = st.one_of(st.integers(), st.text(max_size=3), st.none(),
+Pair = namedtuple("Pair", "first second")
+
+
+class TaggedDict(dict):  # type: ignore[type-arg]
+    """A dict subclass with an attribute of its own (kept by the copy)."""
+
+    tag = "kept"
+
+
+class TaggedList(list):  # type: ignore[type-arg]
+    """A list subclass."""
+
+
+leaves = st.one_of(st.integers(), st.text(max_size=3), st.none(), st.binary(max_size=2),
                    st.integers(0, 4).map(lambda n: torch.arange(n)), st.just(CustomBatch()))
+mappings = st.sampled_from([dict, OrderedDict, UserDict, TaggedDict, lambda d: defaultdict(list, d),
+                            lambda d: MappingProxyType(dict(d))])
+sequences = st.sampled_from([list, tuple, TaggedList, lambda xs: Pair(*(xs + [None, None])[:2])])
 batches = st.recursive(leaves, lambda inner: st.one_of(
-    st.lists(inner, max_size=3), st.lists(inner, max_size=3).map(tuple),
-    st.dictionaries(st.text(max_size=2), inner, max_size=3),
-    st.dictionaries(st.text(max_size=2), inner, max_size=3).map(UserDict)), max_leaves=12)
+    st.tuples(sequences, st.lists(inner, max_size=3)).map(lambda p: p[0](p[1])),
+    st.tuples(mappings, st.dictionaries(st.text(max_size=2), inner, max_size=3)).map(lambda p: p[0](p[1]))),
+    max_leaves=12)
 
 
-def expected(x: object) -> object:
-    if isinstance(x, torch.Tensor | CustomBatch):
-        return ("pinned", id(x))
-    if isinstance(x, UserDict):
-        return ("userdict", {k: expected(v) for k, v in x.data.items()})
-    if type(x) is dict:
-        return {k: expected(v) for k, v in x.items()}
-    if type(x) in (list, tuple):
-        return type(x)(expected(v) for v in x)
-    return x
-
-
-def seen(x: object) -> object:
-    if isinstance(x, Marked):
+def canonical(x: object, pinned: bool) -> object:
+    """The batch as plain data: containers by type name and items, pinned leaves by the id of the
+    leaf they came from (``pinned``: the output, whose pinned leaves are :class:`Marked`)."""
+    if pinned and isinstance(x, Marked):
         return ("pinned", id(x.of))
-    if isinstance(x, UserDict):
-        return ("userdict", {k: seen(v) for k, v in x.data.items()})
-    if type(x) is dict:
-        return {k: seen(v) for k, v in x.items()}
-    if type(x) in (list, tuple):
-        return type(x)(seen(v) for v in x)
+    if not pinned and isinstance(x, torch.Tensor | CustomBatch):
+        return ("pinned", id(x))
+    if isinstance(x, str | bytes):
+        return x
+    if isinstance(x, Mapping):
+        extra = getattr(x, "tag", None), getattr(x, "default_factory", None)
+        return (type(x).__name__, extra, [(k, canonical(v, pinned)) for k, v in x.items()])
+    if isinstance(x, tuple | list):
+        return (type(x).__name__, [canonical(v, pinned) for v in x])
     return x
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(batches)
-def test_every_tensor_and_pinnable_leaf_is_pinned_and_nothing_else_changes(batch):
-    assert seen(pin_batch(batch, pin=Marked)) == expected(batch)
+def test_every_pinnable_leaf_is_pinned_inside_every_container_type_and_nothing_else_changes(batch):
+    """The DataLoader's pinning contract: every container keeps its type (a mapping proxy is
+    rebuilt, a mutable mapping or list subclass copied with its attributes), namedtuples
+    their fields, and only leaves with a pin_memory() method change."""
+    assert canonical(pin_batch(batch, pin=Marked), pinned=True) == canonical(batch, pinned=False)
 
 
 CHILD = """
@@ -141,3 +157,34 @@ class _no_pin_warning:
     def __exit__(self, *exc: object) -> None:
         self._ctx.__exit__(*exc)
         assert not [w for w in self._caught if "pin_memory" in str(w.message)]
+
+
+GPU_CHILD = """
+    import json
+    from collections import OrderedDict, namedtuple
+    import torch
+    from odb_torch import ODBDataLoader
+
+    Pair = namedtuple("Pair", "ids lengths")
+
+    def collate(samples):
+        ids = [torch.tensor(s["input_ids"]) for s in samples]
+        return OrderedDict(pair=Pair(torch.cat(ids), torch.tensor([len(i) for i in ids])), n=len(ids))
+
+    data = [{"input_ids": list(range(1 + i % 5))} for i in range(24)]
+    loader = ODBDataLoader(data, token_budget=16, collate_fn=collate, num_workers=0, world_size=1, rank=0,
+                           timeout=60, pin_memory=True)
+    pinned = [[b["pair"].ids.is_pinned(), b["pair"].lengths.is_pinned(), type(b).__name__, type(b["pair"]).__name__]
+              for b in loader]
+    loader.close()
+    print(json.dumps(pinned))
+"""
+
+
+@pytest.mark.skipif(not pinning_available(), reason="needs an accelerator to pin into (runs on a GPU machine)")
+def test_with_an_accelerator_every_tensor_of_every_batch_is_pinned_and_containers_kept():
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(GPU_CHILD)], capture_output=True, text=True,
+                         timeout=150)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert rows and all(r == [True, True, "OrderedDict", "Pair"] for r in rows), rows
