@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_elastic import run_views
 
@@ -76,6 +76,12 @@ def cases(draw: st.DrawFn) -> Case:
     return lengths, draw(st.integers(1, 4)), config, draw(st.floats(0, 1))
 
 
+#: a case each seeded bug below breaks (8 views, 2 ranks, a pool of 2, cut at 80% of the steps): every
+#: seeded-bug test runs it first, so finding the bug never rests on the random search alone
+KNOWN_BREAKING: Case = ([(i * 7) % 13 + 1 for i in range(8)], 2,
+                        ODBConfig(token_budget=40, buffer_size=2, seed=3, shuffle_steps=False, shared_tail=0.3), 0.8)
+
+
 def check_resume(case: Case) -> None:
     lengths, world, config, cut = case
     drivers, views, pool = start(config, world, len(lengths))
@@ -129,6 +135,7 @@ def test_the_property_catches_a_seeded_bug_in_the_pooled_resume(
     @settings(max_examples=200, deadline=None, database=None, report_multiple_bugs=False,
               suppress_health_check=[HealthCheck.too_slow])
     @given(cases())
+    @example(KNOWN_BREAKING)
     def property_(case: Case) -> None:
         check_resume(case)
 
@@ -194,10 +201,12 @@ def test_the_elastic_property_catches_a_merge_that_forgets_consumed_pool_views(m
         return tuple(g for g in real(states, agreed) if g < cut)
 
     monkeypatch.setattr(elastic, "_pooled_consumed", own_only)
+    assert elastic.merge_states is merge_states, "the seeded bug must reach the merge this module calls"
 
     @settings(max_examples=200, deadline=None, database=None, report_multiple_bugs=False,
               suppress_health_check=[HealthCheck.too_slow])
     @given(cases(), st.integers(1, 4))
+    @example(KNOWN_BREAKING, 1)
     def property_(case: Case, world2: int) -> None:
         check_elastic_pooled(case, world2)
 
