@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from odb_core import ODBConfig, simulate
@@ -109,11 +109,18 @@ def drop_tail(state: GlobalState, world: int, rank: int) -> list[int]:
     return rest[: len(rest) - len(rest) % world][rank::world]
 
 
+#: a case both seeded bugs break (10 views, 2 ranks resumed on 3, cut at 30%): the seeded-bug test
+#: runs it first, so catching a bug never rests on the random search alone
+KNOWN_BREAKING: Case = ([(i * 7) % 13 + 1 for i in range(10)], 2, 3,
+                        ODBConfig(token_budget=40, buffer_size=2, seed=SEED, shuffle_steps=False), 0.3, 0.5)
+
+
 @pytest.mark.parametrize("bug", [give_twice, drop_tail])
 def test_the_property_catches_a_seeded_bug_in_the_redistribution(bug: Assign) -> None:
     @settings(max_examples=150, deadline=None, database=None, report_multiple_bugs=False,
               suppress_health_check=[HealthCheck.too_slow])
     @given(cases())
+    @example(KNOWN_BREAKING)
     def run(case: Case) -> None:
         check_elastic(case, bug)
 
