@@ -52,19 +52,19 @@ class PackedBatch:
     buffer: bytearray | torch.Tensor
 
 
-def map_leaves(x: Any, leaf: Callable[[Any], Any]) -> Any:
+def _map(x: Any, leaf: Callable[[Any], Any]) -> Any:
     """Apply ``leaf`` to every leaf inside exact dicts, lists and tuples and a ``UserDict``'s
     exact ``data`` dict (other subclasses are leaves)."""
     if type(x) is dict:
-        return {k: map_leaves(v, leaf) for k, v in x.items()}
+        return {k: _map(v, leaf) for k, v in x.items()}
     if isinstance(x, UserDict) and type(x.data) is dict:
         out = copy.copy(x)  # UserDict.__copy__: the instance's attributes, not its data, shared
-        out.data = {k: map_leaves(v, leaf) for k, v in x.data.items()}
+        out.data = {k: _map(v, leaf) for k, v in x.data.items()}
         return out
     if type(x) is list:
-        return [map_leaves(v, leaf) for v in x]
+        return [_map(v, leaf) for v in x]
     if type(x) is tuple:
-        return tuple(map_leaves(v, leaf) for v in x)
+        return tuple(_map(v, leaf) for v in x)
     return leaf(x)
 
 
@@ -88,7 +88,7 @@ def pack_batch(batch: Any) -> PackedBatch:
         size += -(-x.numel() * x.element_size() // ALIGN) * ALIGN
         return slot
 
-    skeleton = map_leaves(batch, strip)
+    skeleton = _map(batch, strip)
     if size <= INLINE_BYTES:
         raw = bytearray(size)
         flat = torch.frombuffer(raw, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
@@ -119,4 +119,4 @@ def unpack_batch(packed: PackedBatch) -> Any:
             return buffer[x.offset : x.offset + nbytes].view(x.dtype).view(x.shape)
         return torch.frombuffer(buffer, dtype=x.dtype, count=count, offset=x.offset).view(x.shape)
 
-    return map_leaves(packed.skeleton, fill)
+    return _map(packed.skeleton, fill)
