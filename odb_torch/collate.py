@@ -23,8 +23,10 @@ def pad_collate(samples: Sequence[Mapping[str, Any]], pad_id: int = 0, label_pad
     Samples without an ``attention_mask`` get one, as Hugging Face models expect: int64,
     1 over each sample's ``input_ids`` and 0 over its padding. ``attention_mask=False``
     adds none (an ``attention_mask`` the samples carry is still padded). A padded field
-    longer than the batch's longest ``input_ids`` is a ValueError naming it and the sample.
+    longer than the batch's longest ``input_ids`` is a ValueError naming it and the sample, and
+    so are samples with different fields (a field only some samples have is never dropped).
     """
+    _check_fields(samples)
     lengths = [_length(s["input_ids"]) for s in samples]
     width = max(lengths)
     fills = {"input_ids": pad_id, "labels": label_pad_id, "attention_mask": 0}
@@ -32,7 +34,7 @@ def pad_collate(samples: Sequence[Mapping[str, Any]], pad_id: int = 0, label_pad
     for key in samples[0]:
         values = [s[key] for s in samples]
         if key in fills:
-            out[key] = _pad([torch.as_tensor(v) for v in values], width, fills[key], key)
+            out[key] = _pad([_row(v) for v in values], width, fills[key], key)
         else:
             out[key] = default_collate(values)
     if attention_mask and "attention_mask" not in out:
@@ -40,15 +42,35 @@ def pad_collate(samples: Sequence[Mapping[str, Any]], pad_id: int = 0, label_pad
     return out
 
 
+def _check_fields(samples: Sequence[Mapping[str, Any]]) -> None:
+    """ValueError naming the field and the sample if the samples' fields differ."""
+    first = samples[0].keys()
+    for k, sample in enumerate(samples[1:], start=1):
+        if sample.keys() != first:
+            extra, missing = sorted(sample.keys() - first), sorted(first - sample.keys())
+            raise ValueError(f"pad_collate: sample {k} in the batch has fields {extra} that sample 0 lacks and lacks "
+                             f"{missing}; every sample of a batch needs the same fields")
+
+
 def _length(x: Any) -> int:
     """A row's length: a tensor's first dimension (no ``Tensor.__len__`` dispatch), else ``len``."""
     return x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else len(x)
 
 
+def _row(value: Any) -> torch.Tensor:
+    """``value`` as a tensor; an empty non-tensor sequence as an empty int64 row (``torch.as_tensor([])``
+    is float32, and an empty sample comes first in its length-sorted group)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.as_tensor(value) if len(value) else torch.empty(0, dtype=torch.int64)
+
+
 def _pad(rows: list[torch.Tensor], width: int, fill: int, key: str) -> torch.Tensor:
-    """``rows`` right-padded with ``fill`` to ``width``, stacked (the first row's dtype);
-    ValueError naming ``key`` and the sample if a row is longer than ``width``."""
-    dtype, sizes = rows[0].dtype, [_length(r) for r in rows]
+    """``rows`` right-padded with ``fill`` to ``width``, stacked (the dtype of the first non-empty
+    row, else the first row's); ValueError naming ``key`` and the sample if a row is longer than
+    ``width``."""
+    sizes = [_length(r) for r in rows]
+    dtype = next((r.dtype for r, n in zip(rows, sizes) if n), rows[0].dtype)
     longest = max(range(len(rows)), key=sizes.__getitem__)
     if sizes[longest] > width:
         raise ValueError(f"pad_collate: {key!r} of sample {longest} in the batch has {sizes[longest]} "

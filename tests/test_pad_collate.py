@@ -95,7 +95,7 @@ def test_a_field_longer_than_the_input_ids_is_a_value_error_naming_field_and_sam
 @given(rows=token_rows, data=st.data())
 def test_rows_of_mixed_dtypes_or_shorter_labels_pad_like_a_row_by_row_copy(rows, data):
     """Shorter label rows are padded to the input_ids' width; rows of another dtype take the
-    first row's dtype (the path that cannot use pad_sequence)."""
+    dtype of the first non-empty row (the path that cannot use pad_sequence)."""
     cut = [r[: data.draw(st.integers(0, len(r)))] for r in rows]
     dtypes = [data.draw(st.sampled_from([torch.int64, torch.int32])) for _ in rows]
     samples = [{"input_ids": torch.tensor(r, dtype=d), "labels": torch.tensor(c, dtype=d)}
@@ -103,5 +103,37 @@ def test_rows_of_mixed_dtypes_or_shorter_labels_pad_like_a_row_by_row_copy(rows,
     batch = pad_collate(samples)
     width = max(map(len, rows))
     for key, fill, values in (("input_ids", 0, rows), ("labels", -100, cut)):
-        assert batch[key].dtype == dtypes[0]
+        assert batch[key].dtype == next((d for v, d in zip(values, dtypes) if v), dtypes[0])
         assert batch[key].tolist() == [v + [fill] * (width - len(v)) for v in values]
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(0, 1000), max_size=20), min_size=1, max_size=8), empty_first=st.booleans())
+def test_empty_list_samples_keep_integer_token_rows(rows, empty_first):
+    """A sample whose input_ids and labels are empty lists (a length-sorted group puts it first)
+    still gives int64 token rows, not the float32 of ``torch.as_tensor([])``: an embedding
+    layer takes only integer ids."""
+    rows = [[]] + rows if empty_first else rows
+    batch = pad_collate([{"input_ids": r, "labels": r} for r in rows])
+    width = max(map(len, rows))
+    for key, fill in (("input_ids", 0), ("labels", -100)):
+        assert batch[key].dtype == torch.int64, (key, batch[key].dtype)
+        assert batch[key].tolist() == [r + [fill] * (width - len(r)) for r in rows]
+
+
+@settings(max_examples=50, deadline=None)
+@given(rows=token_rows, data=st.data())
+def test_samples_with_different_fields_are_a_value_error_naming_field_and_sample(rows, data):
+    """A field only some samples of a batch have is neither dropped (``default_collate`` reads
+    the first sample's keys) nor a bare KeyError: a ValueError names it and the sample."""
+    k = data.draw(st.integers(0, len(rows) - 1))
+    samples = [{"input_ids": r, **({"extra": 1} if i == k else {})} for i, r in enumerate(rows)]
+    if len(rows) == 1:
+        assert pad_collate(samples)["extra"].tolist() == [1]
+        return
+    try:
+        pad_collate(samples)
+    except ValueError as exc:
+        assert "'extra'" in str(exc) and f"sample {max(k, 1)}" in str(exc), str(exc)
+    else:
+        raise AssertionError("a field only one sample has was collated without error")
