@@ -138,8 +138,20 @@ def unpack(chunk: PackedChunk) -> list[Any]:
 
 
 def default_length(sample: Any) -> int:
-    """``len(sample["input_ids"])``."""
-    return len(sample["input_ids"])
+    """``len(sample["input_ids"])`` of a 1-D sequence of token ids; a ValueError naming the field
+    for anything else (a tokenizer's ``return_tensors="pt"`` row of shape ``[1, L]`` would
+    otherwise count as one token, and a string as its characters)."""
+    ids = sample["input_ids"]
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 1:
+            raise ValueError(f"input_ids has shape {list(ids.shape)}, not one row of token ids (squeeze a "
+                             "tokenizer's batch dimension)")
+        return ids.shape[0]
+    if isinstance(ids, (str, bytes)) or (len(ids) and not isinstance(ids[0], numbers.Integral)
+                                          and not (isinstance(ids[0], torch.Tensor) and ids[0].dim() == 0)):
+        first = ids[:20] if isinstance(ids, (str, bytes)) else ids[0]
+        raise ValueError(f"input_ids is a {type(ids).__name__} starting {first!r}, not one row of token ids")
+    return len(ids)
 
 
 def default_loss_tokens(sample: Any, length: int) -> int:
@@ -199,6 +211,9 @@ class Packer:
             raise self._invalid(index, f"has no loss-token count ({type(exc).__name__}: {exc})") from None
         tokens = as_count(raw)
         if tokens is None or not 0 <= tokens <= length:
+            if self.loss_tokens_fn is None:
+                raise self._invalid(index, f"has {raw!r} loss tokens (its labels other than -100, the default count) "
+                                           f"for length {length}; its labels need no more of them than its length")
             raise self._invalid(index, f"has {raw!r} loss tokens ({type(raw).__name__}) for length {length}; "
                                        "loss_tokens_fn must return an int in [0, length]")
         return length, tokens

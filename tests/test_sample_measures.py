@@ -69,3 +69,34 @@ def test_a_failing_getitem_names_its_index_and_rank_in_the_chunk():
 @pytest.mark.parametrize("value", [7, np.int32(7), torch.tensor(7), torch.tensor([7])])
 def test_integer_types_count(value):
     assert as_count(value) == 7
+
+
+ROWS = st.lists(st.integers(0, 1000), max_size=12)
+INPUT_IDS = st.one_of(
+    ROWS.map(lambda r: ("row", r)),                                              # a list of ids
+    ROWS.map(lambda r: ("row", torch.tensor(r, dtype=torch.int64))),             # a 1-D tensor
+    ROWS.map(lambda r: ("row", np.array(r, dtype=np.int64))),                    # a 1-D array
+    ROWS.filter(len).map(lambda r: ("batched", torch.tensor([r]))),              # tokenizer(..., return_tensors="pt")
+    ROWS.filter(len).map(lambda r: ("batched", [r])),                            # a batched tokenizer call
+    st.text(min_size=1, max_size=8).map(lambda t: ("text", t)),                  # text, not ids
+)
+
+
+@given(case=INPUT_IDS)
+def test_the_default_length_takes_only_one_row_of_token_ids(case):
+    """The default length is the number of token ids of a 1-D ``input_ids``; a batched row
+    (``[1, L]``, which ``len`` would count as 1 and so break the budget, P3) or a string is an
+    InvalidSampleError naming the sample, the rank and ``input_ids``, never a silent length."""
+    kind, ids = case
+    chunk = Packer(rank=1)([(23, {"input_ids": ids})])
+    if kind == "row":
+        assert chunk.error is None and chunk.measures == [(len(ids), len(ids))]
+    else:
+        assert isinstance(chunk.error, InvalidSampleError), (kind, ids)
+        assert (chunk.error.rank, chunk.error.indices) == (1, (23,)) and "input_ids" in str(chunk.error)
+
+
+def test_too_many_default_loss_tokens_name_the_labels_not_a_function_never_passed():
+    chunk = Packer(rank=0)([(4, {"input_ids": [1, 2], "labels": [1, 2, 3]})])
+    assert isinstance(chunk.error, InvalidSampleError) and "labels" in str(chunk.error)
+    assert "loss_tokens_fn" not in str(chunk.error)
