@@ -149,7 +149,8 @@ class CollateServer:
         self.trace_dir = os.environ.get(TRACE_ENV) or None
         self._trace_file: Any = None
         self._ahead: dict[int, tuple[Any, tuple[int, int]]] = {}  # loaded, not yet fetched (still in R)
-        self._template: Any = None  # a sample of this rank, collated for idle items
+        self._template: Any = None  # a sample of this rank, collated for idle items (see _offer_template)
+        self._template_length = 0
         self._loading: Iterator[Any] | None = None  # the current iteration's loads (owns the workers)
         self._driver: EpochDriver | None = None
         self._prepared: tuple[StartEpoch, EpochDriver] | None = None  # an epoch started before its handshake
@@ -301,7 +302,7 @@ class CollateServer:
         self._claims_sent = len(driver.claimed_pool)  # a resumed pooled epoch's earlier claims: the trainer has them
         self._loading = self._loads(list(driver.views), range(self._scheduled))
         next(self._loading)  # runs up to iter(DataLoader): the workers start loading
-        self._ahead, self._template = {}, None
+        self._ahead, self._template, self._template_length = {}, None, 0
 
     def _prepare(self, cmd: StartEpoch) -> None:
         """Start ``cmd``'s first iteration before its handshake (the first epoch's before the
@@ -349,8 +350,7 @@ class CollateServer:
                 sample, (length, tokens) = self._ahead.pop(pos)
                 driver.arrive(pos, length, tokens)
                 samples[pos] = sample
-                if self._template is None:
-                    self._template = sample
+                self._offer_template(sample, length)
             if not driver.needs_arrivals():
                 return
             chunk = next(loads, None)
@@ -359,6 +359,13 @@ class CollateServer:
                                           "fetched view arrived", rank=self.spec.rank)
             for pos, sample, measure in chunk:
                 self._ahead[pos] = (sample, measure)
+
+    def _offer_template(self, sample: Any, length: int) -> None:
+        """Keep ``sample`` as the idle items' template if it is the rank's first, or its first
+        non-empty one: an idle batch then has the shape of real data, not ``[1, 0]``, which
+        many models cannot run (its loss is scaled by 0 either way, P7)."""
+        if self._template is None or (self._template_length == 0 and length > 0):
+            self._template, self._template_length = sample, length
 
     def _loads(self, views: list[int], positions: range) -> Iterator[list[tuple[int, Any, tuple[int, int]]]]:
         """Chunks of loaded (position, sample, (length, tokens)) of ``positions`` of ``views``, in

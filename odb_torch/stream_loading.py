@@ -354,7 +354,7 @@ class StreamServer(CollateServer):
                 driver.start_iteration(())
                 self._close_reader()
                 self._reader = StreamReader(self.spec, self._start)
-                self._template = None
+                self._template, self._template_length = None, 0
                 continue
             self._read(driver, samples)
             ended = self._round(driver, samples) or ended
@@ -382,8 +382,7 @@ class StreamServer(CollateServer):
             length, tokens = self._packer.measure(sample, s)
             driver.arrive(pos, length, tokens)
             samples[pos] = sample
-            if self._template is None:
-                self._template = sample
+            self._offer_template(sample, length)
 
     def _deliver(self, driver: EpochDriver, item: Delivery | LoopEnd, samples: dict[int, Any]) -> bool:
         if isinstance(item, Delivery) and item.step.is_idle and self._template is None:

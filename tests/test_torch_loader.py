@@ -172,14 +172,20 @@ def test_collate_fn_may_return_a_tuple_or_a_tensor(collate, tmp_path):
     assert all(s["shape"][0] == len(s["ids"]) for s in steps)
 
 
-def test_zero_length_sample_is_emitted_not_dropped(tmp_path):
-    """A zero-length sample counts as length 1 for grouping and reaches the trainer (P4)."""
-    task = {"kind": "audit", "n": 40, "epochs": 1, "fail": {"14": "empty", "15": "empty"}}
+def test_zero_length_sample_is_emitted_not_dropped_nor_made_the_idle_template(tmp_path):
+    """A zero-length sample counts as length 1 for grouping and reaches the trainer (P4). Rank 0
+    reads two empty samples first, then three others, and idles while rank 1 works through 35:
+    its idle batches copy its first non-empty sample, never a [1, 0] batch a model cannot run."""
+    shards = [[14, 15, 0, 1, 2], [i for i in range(40) if i not in (14, 15, 0, 1, 2)]]
+    task = {"kind": "audit", "n": 40, "epochs": 1, "fail": {"14": "empty", "15": "empty"}, "shards": shards}
     results = run_ranks(2, task, tmp_path)
     for r in results:
         assert "error" not in r, r
     ids = [i for r in results for s in r["epochs"][0] for i in s["ids"]]
     assert sorted(ids) == list(range(40)), "every sample, the empty ones included, is emitted once"
+    idle = [s for s in results[0]["epochs"][0] if s["idle"]]
+    assert idle, "rank 0 should idle while rank 1 works"
+    assert all(s["longest"] == sample_length(0) for s in idle), [s["longest"] for s in idle]
 
 
 @pytest.mark.parametrize("world", [2, 3])
