@@ -1,9 +1,9 @@
 """ODBTrainer run by the adapter tests (under torchrun, W = 1 or 2): records what it trained.
 
-    torchrun ... tests/hf_worker.py OUT TAG EPOCHS ACCUM SAVE_STEPS STOP_AT RESUME(0|1) [BUDGET]
+    torchrun ... tests/hf_worker.py OUT TAG EPOCHS ACCUM SAVE_STEPS STOP_AT RESUME(0|1) [BUDGET [TAIL [LOGGING_STEPS]]]
 
 Writes OUT/TAG_rank{r}.json: every micro-batch trained (update, epoch, indices, padding,
-idle, loss multiplier, local tokens), the LR after every update with the samples seen
+idle, loss multiplier, local tokens, loss), the LR after every update with the samples seen
 then, and the final metrics.
 """
 
@@ -33,7 +33,10 @@ class RecordingTrainer(ODBTrainer):
                                  "idle": mb.info.is_idle, "multiplier": mb.loss_multiplier,
                                  "local_tokens": mb.info.local_tokens, "row": list(inputs["input_ids"].shape),
                                  "has_positions": "position_ids" in inputs})
-        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if mb is not None:
+            self.records[-1]["loss"] = float(loss)
+        return loss
 
 
 class Watch(TrainerCallback):  # type: ignore[misc]
@@ -53,10 +56,12 @@ def main() -> None:
     out, tag, epochs, accum, save_steps, stop_at, resume = sys.argv[1:8]
     budget = sys.argv[8] if len(sys.argv) > 8 else "padded"
     tail = float(sys.argv[9]) if len(sys.argv) > 9 else 0.0
+    logging_steps = int(sys.argv[10]) if len(sys.argv) > 10 else 1
     watch = Watch(int(stop_at))
     trainer = make_trainer(str(Path(out) / "run"), float(epochs), int(accum), int(save_steps),
                            trainer_cls=RecordingTrainer, callbacks=[watch], budget=budget, shared_tail=tail)
     trainer.records = []
+    trainer.args.logging_steps = logging_steps
     watch.trainer = trainer
     result = trainer.train(resume_from_checkpoint=True if resume == "1" else None)
     rank = trainer.args.process_index

@@ -74,8 +74,42 @@ def test_hf_trainer_loss_token_mismatch_is_named(tiny, tmp_path):
     trainer = ODBTrainer(model=tiny, args=make_args(tmp_path, num_train_epochs=1, save_strategy="no"),
                          train_dataset=TokenDataset(16), token_budget=128,
                          odb_kwargs={"loss_tokens_fn": every_token_counts, "num_workers": 0, "buffer_size": 8, "timeout": 60})
-    with pytest.raises(LossTokenMismatchError, match="dataset indices"):
+    with pytest.raises(LossTokenMismatchError, match="dataset indices") as caught:
         trainer.train()
+    assert caught.value.rank == 0 and caught.value.indices, "the error carries its rank and indices"
+
+
+@pytest.mark.parametrize("idle,padding,tokens,raises", [
+    (False, False, 7, False), (False, False, None, False), (False, False, 6, True),
+    (True, False, 0, False), (False, True, 0, False)])
+def test_accelerate_backward_checks_the_loss_token_count_when_given(idle, padding, tokens, raises):
+    """``backward(..., tokens=n)``: a count other than the loader's for a real micro-batch is a
+    LossTokenMismatchError with the rank and indices (the weights would be silently wrong, P7);
+    idle and padding micro-batches (weight 0) and an omitted count are not checked."""
+    import torch
+
+    from odb_core.errors import LossTokenMismatchError
+    from odb_torch.integrations.accelerate import backward
+    from odb_torch.step_info import StepInfo
+    from odb_torch.windows import MicroBatch
+
+    class Accel:
+        process_index, seen = 1, []
+
+        def backward(self, loss):
+            self.seen.append(float(loss))
+
+    info = StepInfo(epoch=0, step=3, round=1, is_idle=idle, local_samples=0 if idle else 2, global_samples=4,
+                    local_tokens=0 if idle else 7, global_tokens=14, loss_scale=1.0, weight_num=1, weight_den=2,
+                    over_budget=0, indices=() if idle else (11, 12))
+    micro = MicroBatch(None, info, 0.5, 14, padding, True)
+    accel = Accel()
+    if raises:
+        with pytest.raises(LossTokenMismatchError, match="6 tokens") as caught:
+            backward(accel, torch.tensor(3.0), micro, tokens=tokens)
+        assert (caught.value.rank, caught.value.indices) == (1, (11, 12)) and not accel.seen
+    else:
+        assert float(backward(accel, torch.tensor(3.0), micro, tokens=tokens)) == 1.5 and accel.seen == [1.5]
 
 
 def test_hf_trainer_missing_checkpoint_state_is_named(tiny, tmp_path):

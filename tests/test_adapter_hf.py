@@ -39,15 +39,25 @@ LR, WARMUP = 1e-3, 0.1
 
 
 def run(tmp: Path, tag: str, world: int, epochs: int, accum: int, save_steps: int = 0, stop_at: int = 0,
-        resume: bool = False, budget: str = "padded", tail: float = 0.0) -> list[dict[str, Any]]:
+        resume: bool = False, budget: str = "padded", tail: float = 0.0, logging_steps: int = 1) -> list[dict[str, Any]]:
     run_torchrun(WORKER, [str(tmp), tag, str(epochs), str(accum), str(save_steps), str(stop_at),
-                          "1" if resume else "0", budget, str(tail)], world)
+                          "1" if resume else "0", budget, str(tail), str(logging_steps)], world)
     return [json.loads((tmp / f"{tag}_rank{r}.json").read_text()) for r in range(world)]
 
 
 def check_lr_follows_samples(ranks: list[dict[str, Any]]) -> None:
     total = ranks[0]["total_samples"]
     check_linear_lr_by_samples(ranks[0]["lrs"], LR, total, math.ceil(total * WARMUP))
+
+
+def check_train_loss(ranks: list[dict[str, Any]], first_update: int) -> None:
+    """``train_loss`` is the mean over the run's updates of the window's loss, the same on every
+    rank: each update's loss is the mean over ranks of their ODB losses (P7), here summed from
+    every micro-batch's recorded loss."""
+    updates = ranks[0]["global_step"] - first_update
+    expected = sum(rec["loss"] for r in ranks for rec in r["records"]) / len(ranks) / updates
+    got = [r["metrics"]["train_loss"] for r in ranks]
+    assert all(abs(x - expected) <= 1e-5 * abs(expected) for x in got), f"train_loss {got} on the ranks, not {expected}"
 
 
 def check_packed_rows(records: list[dict[str, Any]]) -> None:
@@ -73,6 +83,7 @@ def test_hf_trainer_w1_packed_epochs_weights_schedule_throughput(tmp_path):
         assert sorted(ids) == list(range(N)), f"P4: epoch {epoch} trained {len(ids)} views, not each of {N} once"
     check_windows([r["records"] for r in ranks], accum=2)
     check_lr_follows_samples(ranks)
+    check_train_loss(ranks, first_update=0)
     m = ranks[0]["metrics"]
     assert abs(m["train_samples_per_second"] * m["train_runtime"] - 2 * N) < 1.0, (
         f"train_samples_per_second {m['train_samples_per_second']} x runtime {m['train_runtime']} "
@@ -85,7 +96,10 @@ def test_hf_trainer_w2_resume_mid_epoch_loses_nothing_repeats_nothing_on_2_and_o
     assert max(lengths) > 2 * min(lengths)  # variable-size batches, so ranks form different counts
     # run A: checkpoint every 4 updates, "crash" at update 6 (its updates 5-6 are lost with it);
     # with a shared tail of 25% (N - 24 = 72 views shard evenly): the pooled position resumes
-    first = run(tmp_path, "a", world=2, epochs=2, accum=2, save_steps=4, stop_at=6, tail=TAIL)
+    # logged only at the end (the checkpoint's TrainerState carries logging_steps to runs B and C):
+    # train_loss is then all the "loss since the last log" that Trainer adds up
+    first = run(tmp_path, "a", world=2, epochs=2, accum=2, save_steps=4, stop_at=6, tail=TAIL, logging_steps=1000)
+    check_train_loss(first, first_update=0)
     assert first[0]["global_step"] == 6
     assert (tmp_path / "run" / "checkpoint-4" / "odb_state_rank1.json").is_file()
     states = [json.loads((tmp_path / "run" / "checkpoint-4" / f"odb_state_rank{r}.json").read_text())["loader"]
@@ -106,6 +120,7 @@ def test_hf_trainer_w2_resume_mid_epoch_loses_nothing_repeats_nothing_on_2_and_o
     check_windows([r["records"] for r in first], accum=2)
     check_windows([r["records"] for r in second], accum=2)
     check_lr_follows_samples(second)
+    check_train_loss(second, first_update=4)
     m = second[0]["metrics"]
     resumed_samples = sum(len(ids) for ids in after.values())
     assert abs(m["train_samples_per_second"] * m["train_runtime"] - resumed_samples) < 1.0

@@ -58,8 +58,8 @@ def train_lockstep(out_dir: str, epochs: int = 2, accum: int = 2, save_at: int =
             for micro in windows:
                 batch = send_to_device(micro.batch, accelerator.device)
                 with sync_context(accelerator, model, micro):
-                    loss_sum, _ = model(batch["input_ids"], batch["labels"])
-                    backward(accelerator, loss_sum, micro)
+                    loss_sum, count = model(batch["input_ids"], batch["labels"])
+                    backward(accelerator, loss_sum, micro, tokens=count)  # count checked against the loader's
                 if on_micro:
                     on_micro(micro, windows.updates - micro.last_in_window)
                 if micro.last_in_window:

@@ -11,8 +11,8 @@ Two ways to keep DDP ranks in step:
           for micro in windows:
               batch = send_to_device(micro.batch, accelerator.device)
               with sync_context(accelerator, model, micro):
-                  loss_sum, _ = my_summed_token_loss(model, batch)
-                  backward(accelerator, loss_sum, micro)      # exact over the window (P7)
+                  loss_sum, count = causal_lm_loss_sum(logits_of(model(**batch)), batch["labels"])
+                  backward(accelerator, loss_sum, micro, tokens=count)  # exact over the window (P7)
               if micro.last_in_window:
                   optimizer.step(); optimizer.zero_grad()
 
@@ -35,6 +35,7 @@ import torch
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
+from odb_core.errors import LossTokenMismatchError
 from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import shifted_loss_tokens
 from odb_torch.padding_free import adapter_defaults
@@ -75,8 +76,22 @@ def sync_context(accelerator: Any, model: Any, micro: MicroBatch) -> contextlib.
     return contextlib.nullcontext() if micro.last_in_window else accelerator.no_sync(model)
 
 
-def backward(accelerator: Any, loss_sum: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
-    """Backward of ``loss_sum x micro.loss_multiplier``; returns the scaled loss (P7)."""
+def backward(accelerator: Any, loss_sum: torch.Tensor, micro: MicroBatch,
+             tokens: int | torch.Tensor | None = None) -> torch.Tensor:
+    """Backward of ``loss_sum x micro.loss_multiplier``; returns the scaled loss (P7).
+
+    ``tokens``: the number of tokens ``loss_sum`` summed over. Given, it must equal the
+    loader's count for the batch (``loss_tokens_fn``; shifted labels by default), else
+    :class:`~odb_core.errors.LossTokenMismatchError` naming the rank and dataset indices:
+    the weights are exact only when both count the same tokens."""
+    info = micro.info
+    if tokens is not None and not (info.is_idle or micro.is_padding) and int(tokens) != info.local_tokens:
+        rank = int(accelerator.process_index)
+        raise LossTokenMismatchError(
+            f"rank {rank}: the loss summed over {int(tokens)} tokens, the loader measured {info.local_tokens} for "
+            f"dataset indices {list(info.indices)}; make the loss and the loader's loss_tokens_fn count the same "
+            "tokens (causal LMs: shifted labels, odb_torch.losses.shifted_loss_tokens)",
+            rank=rank, indices=info.indices)
     loss = loss_sum * micro.loss_multiplier
     accelerator.backward(loss)
     return loss

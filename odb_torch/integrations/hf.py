@@ -264,11 +264,22 @@ class ODBTrainer(Trainer):
             raise LossTokenMismatchError(
                 f"rank {self.args.process_index}: the loss summed over {int(count)} tokens, the loader measured "
                 f"{mb.info.local_tokens} for dataset indices {list(mb.info.indices)}; make loss_sum_fn and the "
-                "loader's loss_tokens_fn count the same tokens (causal LMs: shifted labels)")
+                "loader's loss_tokens_fn count the same tokens (causal LMs: shifted labels)",
+                rank=self.args.process_index, indices=mb.info.indices)
         loss = loss_sum * mb.loss_multiplier
         return (loss, None) if return_outputs else loss
 
     # -- schedule and reporting ---------------------------------------------------------------
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer._finalize_training`` with the loss since the last log averaged over the ranks
+        first. Trainer adds that remainder to ``train_loss`` unreduced (the logged losses are
+        gathered); a rank's ODB loss, its summed token loss x ``W / window_tokens`` (P7), is the
+        window's loss only as the mean over ranks, so ``train_loss`` was wrong and differed per rank."""
+        pending = getattr(self, "_tr_loss", None)
+        if isinstance(pending, torch.Tensor) and self.args.world_size > 1:
+            self._tr_loss = self.accelerator.reduce(pending.detach().clone(), reduction="mean")
+        return super()._finalize_training(*args, **kwargs)  # type: ignore[no-untyped-call]
+
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """The ``args.lr_scheduler_type`` shape over samples seen (:class:`~odb_torch.schedule.ProgressLR`)."""
         if self.lr_scheduler is None:
