@@ -220,14 +220,9 @@ CI_BEHAVIOURS = 6
 DEEP_BEHAVIOURS = 40
 
 
-def check_reach(deep: bool = False, select: str = "*", say: Callable[[str], None] = lambda _: None,
-                jobs: int | None = None) -> dict[str, Any] | None:
-    """Simulation, progress and inductiveness, with their seeded bugs: ``odb check``'s ``reach``.
-
-    ``select`` picks checks by glob over their names: ``reach_sim_<model>``,
-    ``reach_simbug_<bug>``, ``reach_progress_<check>``, ``reach_inductive_<check>``;
-    None when it picks nothing."""
-    started = time.perf_counter()
+def picked_checks(deep: bool, select: str) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+    """The simulated models, simulation bugs, progress and inductiveness checks whose
+    ``reach_<kind>_<name>`` matches the glob ``select`` (see :func:`check_reach`)."""
 
     def picked(kind: str, name: str) -> bool:
         return fnmatch.fnmatch(f"reach_{kind}_{name}", select)
@@ -239,6 +234,18 @@ def check_reach(deep: bool = False, select: str = "*", say: Callable[[str], None
                                + (progress.deep_checks() if deep else ())) if picked("progress", c.name)]
     ind_checks = [c for c in inductive.CI_CHECKS + (inductive.deep_checks() if deep else ())
                   if picked("inductive", c.name)]
+    return models, sim_bugs, prog_checks, ind_checks
+
+
+def check_reach(deep: bool = False, select: str = "*", say: Callable[[str], None] = lambda _: None,
+                jobs: int | None = None) -> dict[str, Any] | None:
+    """Simulation, progress and inductiveness, with their seeded bugs: ``odb check``'s ``reach``.
+
+    ``select`` picks checks by glob over their names: ``reach_sim_<model>``,
+    ``reach_simbug_<bug>``, ``reach_progress_<check>``, ``reach_inductive_<check>``;
+    None when it picks nothing."""
+    started = time.perf_counter()
+    models, sim_bugs, prog_checks, ind_checks = picked_checks(deep, select)
     if not (models or sim_bugs or prog_checks or ind_checks):
         return None
 
@@ -252,7 +259,7 @@ def check_reach(deep: bool = False, select: str = "*", say: Callable[[str], None
         say(f"  simulate bug {b.name}: {b.outcome} ({'caught' if b.passed else 'expected ' + b.expected})")
     coverage = {k: sum(r.coverage.get(k, 0) for r in sims) for k in COVERAGE}
     # every counter non-zero over the whole slice: the simulation exercised every branch
-    covered = len(models) < len(all_models) or all(coverage.values())
+    covered = len(models) < len(CI_MODELS + (deep_models() if deep else ())) or all(coverage.values())
     simulation: dict[str, Any] = {
         "models": [r.to_json() for r in sims],
         "behaviours": sum(r.behaviours for r in sims),

@@ -19,7 +19,7 @@ from model_checks import conformance
 from model_checks import traces as trace_validation
 from model_checks.mutants import MUTANTS
 from model_checks.mutation import hunt
-from model_checks.reach import check_reach
+from model_checks.reach import check_reach, picked_checks
 from model_checks.suites import configs, run_config
 from model_checks.tla import sany
 
@@ -54,6 +54,7 @@ def check(
     kinds = ("quick", "sanity", "mutant") + (("deep",) if deep else ())
     paths = [p for p in configs(kinds) if fnmatch.fnmatch(p.stem, select)]
     picked = [s for s in conformance.STATE_SPACE_SCENARIOS if fnmatch.fnmatch(s.name, scenarios)]
+    _refuse_empty_selection(deep, select, paths, traces, mutant_traces_each, hunt_examples, real_traces)
     total = len(paths) + len(MUTANTS) + len(picked) + 3 + (real_traces is not None)
     with _Progress(total, progress) as say:
         sany("MC")
@@ -92,6 +93,25 @@ def check(
         "reach": reach,
         "seconds": round(time.perf_counter() - started, 1),
     }
+
+
+def _refuse_empty_selection(deep: bool, select: str, paths: list[Any], traces: int, mutant_traces: int,
+                            hunt_examples: int, real_traces: str | None) -> None:
+    """ValueError for a request that would check less than it names: a ``select`` glob that
+    picks no TLC configuration and no reach check, a negative count, or a ``real_traces``
+    directory without trace logs. A check that checks nothing must not report a pass.
+    (``scenarios`` may pick none: that skips the state-space comparison, reported as None.)"""
+    from pathlib import Path
+
+    for name, value in (("traces", traces), ("mutant traces", mutant_traces), ("hunt examples", hunt_examples)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    if not paths and not any(picked_checks(deep, select)):
+        raise ValueError(f"--select {select!r} matches no TLC configuration and no reach_* check"
+                         + ("" if deep else " (deep ones need --deep)"))
+    if real_traces is not None and not any(Path(real_traces).rglob("*-rank*.jsonl")):
+        raise ValueError(f"--real-traces {real_traces!r} holds no trace logs (*-rank*.jsonl): "
+                         "is it the run's ODB_TRACE_DIR?")
 
 
 class _Progress:

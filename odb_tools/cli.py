@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import get_args
 
 from pydantic import ValidationError
+
+from odb_core.errors import ODBError
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -90,7 +93,7 @@ def _simulate(args: argparse.Namespace) -> int:
             shared_tail=args.shared_tail,
         )
     except ValidationError as exc:
-        raise SystemExit(f"odb simulate: invalid configuration:\n{exc}") from None
+        raise SystemExit(f"odb simulate: invalid configuration: {describe_error(exc)}") from None
     from odb_tools.progress import simulation_bar
 
     with simulation_bar(len(lengths), args.world, enabled=not args.json) as observer:
@@ -134,9 +137,10 @@ def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "progress and inductiveness checks)")
     p.add_argument("--scenarios", default="*",
                    help="only core-vs-spec state-space scenarios whose name matches this glob")
-    p.add_argument("--traces", type=int, default=520, help="simulator traces to replay under TLC (default 520)")
-    p.add_argument("--mutant-traces", type=int, default=20, help="traces per mutant that must be rejected")
-    p.add_argument("--hunt-examples", type=int, default=2000, help="hypothesis examples per mutant hunt (0: skip)")
+    p.add_argument("--traces", type=at_least(0), default=520, help="simulator traces to replay under TLC (default 520)")
+    p.add_argument("--mutant-traces", type=at_least(0), default=20, help="traces per mutant that must be rejected")
+    p.add_argument("--hunt-examples", type=at_least(0), default=2000,
+                   help="hypothesis examples per mutant hunt (0: skip)")
     p.add_argument("--real-traces", default=None, metavar="DIR",
                    help="also replay the trace logs of real runs in DIR (ODB_TRACE_DIR; a subdirectory per scenario)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -159,8 +163,8 @@ def _check(args: argparse.Namespace) -> int:
 def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("demo", help="DDP fine-tune on CPU (W=2, Gloo) on real chat data: Standard vs Sorted vs ODB")
     p.add_argument("--quick", action="store_true", help="a tiny run (seconds), for the tests")
-    p.add_argument("--samples", type=int, default=None, help="sample budget per method (default 1536; quick 96)")
-    p.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--samples", type=at_least(1), default=None, help="sample budget per method (default 1536; quick 96)")
+    p.add_argument("--world", type=at_least(1), default=2, help="ranks (default 2)")
     p.add_argument("--results", type=Path, default=Path("results"), help="folder for demo.json and the PNG plots")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the table as one JSON object")
@@ -187,23 +191,65 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+OPTION_OF_FIELD = {"output_capacity": "--capacity"}
+"""``ODBConfig`` fields whose command-line option has another name."""
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for a user's error: a pydantic ValidationError as ``field: message`` per error
+    (the field under its option's name), anything else as its message."""
+    if isinstance(exc, ValidationError):
+        parts = []
+        for err in exc.errors():
+            field = ".".join(map(str, err["loc"]))
+            parts.append(f"{OPTION_OF_FIELD.get(field, field)}: {err['msg']}")
+        return "; ".join(parts)
+    return str(exc)
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "integer"  # argparse names the type in "invalid integer value"
+    return parse
+
+
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+    """Comma-separated integers >= 1 (possibly none)."""
+    values = [int(x) for x in text.split(",") if x.strip()]
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"every value must be >= 1, got {text!r}")
+    return values
+
+
+def _some_ints(text: str) -> list[int]:
+    """Comma-separated integers >= 1, at least one."""
+    values = _ints(text)
+    if not values:
+        raise argparse.ArgumentTypeError("give at least one value")
+    return values
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("bench", help="benchmarks")
-    bsub = p.add_subparsers(dest="bench", required=True)
+    bsub = p.add_subparsers(dest="bench", required=True, metavar="{batching}")
     b = bsub.add_parser("batching", help="batch shapes of ODB vs Standard, Sorted, GMT/BMT/HFG oracles and peers")
-    b.add_argument("--samples", type=int, default=100_000, help="samples drawn per fitted distribution (default 100000)")
-    b.add_argument("--budgets", type=_ints, default=[8192, 16384], help="comma-separated token budgets")
-    b.add_argument("--worlds", type=_ints, default=[1, 2, 4, 8], help="comma-separated world sizes")
-    b.add_argument("--buffer-size", type=int, default=1024)
+    b.add_argument("--samples", type=at_least(1), default=100_000,
+                   help="samples drawn per fitted distribution (default 100000)")
+    b.add_argument("--budgets", type=_some_ints, default=[8192, 16384], help="comma-separated token budgets")
+    b.add_argument("--worlds", type=_some_ints, default=[1, 2, 4, 8], help="comma-separated world sizes")
+    b.add_argument("--buffer-size", type=at_least(1), default=1024)
     b.add_argument("--reference-worlds", type=_ints, default=[8],
                    help="world sizes at which the reference package (bench extra) runs live on Gloo ranks "
                         "to measure its alignment overhead; empty to skip (default 8)")
     b.add_argument("--distributions", default="ultrachat,llava,sharegpt4o,chat",
-                   help="comma-separated: ultrachat, llava, sharegpt4o, chat (the real chit-chat data)")
+                   help="comma-separated: ultrachat, llava, sharegpt4o, uniform, chat (the real chit-chat data)")
     b.add_argument("--budget", choices=("padded", "packed", "both"), default="both",
                    help="rows of the padded budget (the batchers above), of the packed budget (ODB packed at each "
                         "W against offline FFD and TRL's pack_dataset bfd), or both (default)")
@@ -213,10 +259,18 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def _bench_batching(args: argparse.Namespace) -> int:
+    from odb_core.distributions import DISTRIBUTIONS
     from odb_tools.bench_batching import markdown, run
 
+    names = [d for d in args.distributions.split(",") if d]
+    known = [*DISTRIBUTIONS, "chat"]
+    unknown = [d for d in names if d not in known]
+    if unknown or not names:
+        raise SystemExit(f"odb bench batching: --distributions {args.distributions!r}: choose from {', '.join(known)}")
+    if max(args.worlds) > args.samples:
+        raise SystemExit(f"odb bench batching: --worlds {max(args.worlds)} is more ranks than --samples {args.samples}")
     rows = run(samples=args.samples, budgets=args.budgets, worlds=args.worlds, buffer_size=args.buffer_size,
-               distributions=[d for d in args.distributions.split(",") if d], seed=args.seed,
+               distributions=names, seed=args.seed,
                reference_worlds=args.reference_worlds, progress=not args.json,
                budget_kinds=("padded", "packed") if args.budget == "both" else (args.budget,))
     print(json.dumps({"rows": rows}) if args.json else markdown(rows))
@@ -232,10 +286,10 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     src.add_argument("--lengths", help=f"a file of integer lengths, or one of: {', '.join(DISTRIBUTIONS)}")
     src.add_argument("--jsonl", help="a JSONL dataset ('messages' or 'text' per line), tokenized with the Qwen tokenizer")
     src.add_argument("--chat", action="store_true", help="the embedded chit-chat conversations (Qwen tokenizer)")
-    p.add_argument("--samples", type=int, default=100_000, help="lengths drawn from a named distribution")
-    p.add_argument("--max-length", type=int, default=None, help="cutoff applied to every length")
-    p.add_argument("--budgets", type=_ints, default=None, help="comma-separated token budgets")
-    p.add_argument("--buffer-size", type=int, default=1024)
+    p.add_argument("--samples", type=at_least(1), default=100_000, help="lengths drawn from a named distribution")
+    p.add_argument("--max-length", type=at_least(1), default=None, help="cutoff applied to every length")
+    p.add_argument("--budgets", type=_some_ints, default=None, help="comma-separated token budgets")
+    p.add_argument("--buffer-size", type=at_least(1), default=1024)
     p.add_argument("--budget", choices=BUDGETS, default="padded",
                    help="ODB's budget: padded groups (default) or packed, padding-free groups (sum of lengths <= L_max)")
     p.add_argument("--step-fixed", type=float, default=None, help="seconds per step, fixed part")
@@ -280,16 +334,16 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override (model type / JSON) or a keyword of the callable; repeatable")
     p.add_argument("--memory", required=True, help="the memory limit: peak RSS on CPU, peak allocated on GPU (24GiB, 800MB)")
-    p.add_argument("--max-length", type=int, required=True, help="the cut-off: the longest sample, in tokens")
+    p.add_argument("--max-length", type=at_least(1), required=True, help="the cut-off: the longest sample, in tokens")
     p.add_argument("--budget", choices=BUDGETS, default="padded", help="ODBConfig.budget (default padded)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when available")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--optimizer", choices=("none", "sgd", "adamw"), default="adamw",
                    help="the optimizer whose state is resident during the step (default adamw)")
-    p.add_argument("--step", type=int, default=128, help="budgets are multiples of this (default 128)")
-    p.add_argument("--start", type=int, default=None, help="the first budget tried (default: --step)")
-    p.add_argument("--max-budget", type=int, default=1 << 20)
-    p.add_argument("--max-shapes", type=int, default=8, help="padded shapes measured per budget (0: the whole frontier)")
+    p.add_argument("--step", type=at_least(1), default=128, help="budgets are multiples of this (default 128)")
+    p.add_argument("--start", type=at_least(1), default=None, help="the first budget tried (default: --step)")
+    p.add_argument("--max-budget", type=at_least(1), default=1 << 20)
+    p.add_argument("--max-shapes", type=at_least(0), default=8, help="padded shapes measured per budget (0: the whole frontier)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="model.gradient_checkpointing_enable() first")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_tune)
@@ -301,10 +355,17 @@ def _tune(args: argparse.Namespace) -> int:
     from odb_tools.tune import markdown, parse_bytes, tune
     from odb_tools.tune.model import build_model, parse_overrides
 
+    if args.max_budget < (args.start or args.step):
+        raise SystemExit(f"odb tune: --max-budget {args.max_budget} is below the first budget tried "
+                         f"({args.start or args.step}: --start, else --step)")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("odb tune: --device cuda, but this torch sees no CUDA device")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # --model mymodule:build from the current directory, as python -m finds it
     try:
-        model = build_model(args.model, parse_overrides(args.set)).to(device=device, dtype=getattr(torch, args.dtype))
         limit = parse_bytes(args.memory)
+        model = build_model(args.model, parse_overrides(args.set)).to(device=device, dtype=getattr(torch, args.dtype))
     except ValueError as exc:
         raise SystemExit(f"odb tune: {exc}") from None
     if args.gradient_checkpointing:
@@ -331,10 +392,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+USER_ERRORS = (ValueError, OSError, ODBError)
+"""What bad input raises (arguments, files, configurations): reported as ``odb <command>:
+message`` with exit status 2, not a traceback (pydantic's ValidationError is a ValueError)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``odb`` console script."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except USER_ERRORS as exc:
+        print(f"odb {args.command}: {describe_error(exc)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -116,8 +116,9 @@ def _check_batching(dl: DataLoader[Any], problems: Problems, ignore: Collection[
         return None
     if type(batch_sampler) is not BatchSampler:
         problems.append(("batch_sampler", f"{type(batch_sampler).__name__} decides fixed batches itself; ODB forms "
-                                          "its own token-budgeted batches and cannot keep them (pass a sampler "
-                                          "instead: sampler=...)"))
+                                          "its own token-budgeted batches and cannot keep them (rebuild the "
+                                          "DataLoader with sampler= and batch_size= instead of batch_sampler=, or "
+                                          "build an ODBDataLoader directly)"))
         return None
     if batch_sampler.drop_last and "drop_last" not in ignore:
         problems.append(("drop_last", "drop_last=True drops a last partial fixed-size batch; ODB yields every "

@@ -82,3 +82,60 @@ def test_simulate_shared_tail_cuts_the_alignment_overhead_and_keeps_coverage():
     assert len(set(pooled["steps_per_rank"])) == 1
     out = odb("simulate", "--mode", "non-join", "--shared-tail", "0.05", "--samples", "100", check=False)
     assert out.returncode != 0 and "shared_tail" in out.stderr
+
+
+def run_cli(args, capsys):
+    """``odb ARGS`` in this process: (exit status, stderr), a SystemExit message counted as stderr."""
+    from odb_tools.cli import main
+
+    try:
+        rc = main(args)
+    except SystemExit as exc:
+        rc = exc.code
+    err = capsys.readouterr().err
+    if isinstance(rc, str):
+        err, rc = err + rc, 1
+    return rc, err
+
+
+@pytest.fixture
+def bad_inputs(tmp_path):
+    negative = tmp_path / "lengths.txt"
+    negative.write_text("10\n-5\n")
+    (tmp_path / "no_traces").mkdir()
+    return {"negative": str(negative), "missing": str(tmp_path / "missing.jsonl"), "empty": str(tmp_path / "no_traces")}
+
+
+BAD = [
+    (["simulate", "--lengths", "{negative}"], "simulate", "length -5 is negative"),
+    (["profile", "--lengths", "{negative}"], "profile", "length -5 is negative"),
+    (["profile", "--jsonl", "{missing}"], "profile", "No such file"),
+    (["profile", "--lengths", "sharegpt4o", "--buffer-size", "0"], "profile", "--buffer-size"),
+    (["simulate", "--token-budget", "0", "--samples", "10"], "simulate", "token_budget"),
+    (["simulate", "--capacity", "0", "--samples", "10"], "simulate", "--capacity"),
+    (["simulate", "--mode", "non-join", "--schedule", "empty_rank", "--world", "3", "--samples", "300"], "simulate",
+     "consumed nothing"),
+    (["bench", "batching", "--samples", "0"], "bench batching", "--samples"),
+    (["bench", "batching", "--worlds", "0"], "bench batching", "--worlds"),
+    (["bench", "batching", "--distributions", "nosuch"], "bench batching", "chat"),
+    (["bench", "batching", "--samples", "100", "--worlds", "200", "--distributions", "uniform"], "bench batching",
+     "more ranks"),
+    (["tune", "--model", "llama", "--memory", "0", "--max-length", "64"], "tune", "more than 0"),
+    (["tune", "--model", "llama", "--memory", "1GiB", "--max-length", "64", "--step", "64", "--max-budget", "32"],
+     "tune", "--max-budget"),
+    (["check", "--select", "nomatch"], "check", "matches no TLC configuration"),
+    (["check", "--traces", "-1"], "check", "--traces"),
+    (["check", "--select", "quick_join_2x4", "--real-traces", "{empty}"], "check", "no trace logs"),
+]
+
+
+@pytest.mark.parametrize("args,command,fragment", BAD, ids=[" ".join(a[:3]) for a, _, _ in BAD])
+def test_bad_input_is_one_line_naming_the_command_not_a_traceback(args, command, fragment, bad_inputs, capsys):
+    """Bad arguments, files and configurations end the command with a non-zero status and a
+    message naming the command and what is wrong, never a traceback; ``odb check`` never
+    reports a pass for a request that would check nothing (a glob matching nothing, a trace
+    directory without logs)."""
+    rc, err = run_cli([a.format(**bad_inputs) for a in args], capsys)
+    assert rc in (1, 2), (rc, err)
+    assert f"odb {command}" in err and fragment in err, err
+    assert "Traceback" not in err and "passed" not in err, err

@@ -53,7 +53,11 @@ def build_model(spec: ModelSpec, overrides: Mapping[str, Any] | None = None) -> 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if Path(spec).is_file():
-        data = {**json.loads(Path(spec).read_text()), **dict(overrides or {})}
+        try:
+            loaded = json.loads(Path(spec).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"model {spec!r}: not a JSON config: {exc}") from None
+        data = {**loaded, **dict(overrides or {})}
         if "model_type" not in data:
             raise ValueError(f"model {spec!r}: the config JSON has no 'model_type'")
         config = AutoConfig.for_model(**data)

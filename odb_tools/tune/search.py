@@ -30,7 +30,10 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"memory size {text!r}: expected a number with an optional unit (B, KB, MB, GB, KiB, MiB, GiB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"memory size {text!r}: must be more than 0 bytes")
+    return size
 
 
 def vocab_of(model: nn.Module) -> int:
