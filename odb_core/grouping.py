@@ -34,6 +34,14 @@ def check_length(length: object, what: str) -> int:
     return length
 
 
+def require_sequence(lengths: object) -> None:
+    """TypeError unless ``lengths`` is a sequence (indices name its positions, so an iterator,
+    which the checks would consume, or a set, which has none, is refused)."""
+    if not isinstance(lengths, Sequence) or isinstance(lengths, (str, bytes)):
+        raise TypeError(f"lengths must be a sequence of ints (a list or tuple; an array: .tolist()), got "
+                        f"{type(lengths).__name__}")
+
+
 def form_groups(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
     """Group sample indices by the B(l) rule with threshold carry-over (paper App. C).
 
@@ -47,6 +55,7 @@ def form_groups(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
     """
     if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
         raise InvalidSampleError(f"token_budget must be an int >= 1, got {token_budget!r}")
+    require_sequence(lengths)
     if not (set(map(type, lengths)) <= {int} and (not lengths or min(lengths) >= 0)):  # fast path: plain ints
         for i, length in enumerate(lengths):
             check_length(length, f"sample {i}")

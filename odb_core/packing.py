@@ -29,7 +29,7 @@ from collections.abc import Set as AbstractSet
 from itertools import chain
 
 from odb_core.errors import InvalidSampleError
-from odb_core.grouping import check_length
+from odb_core.grouping import check_length, require_sequence
 
 
 def size_of(length: int) -> int:
@@ -97,6 +97,7 @@ def pack_groups(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
     """
     if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
         raise InvalidSampleError(f"token_budget must be an int >= 1, got {token_budget!r}")
+    require_sequence(lengths)
     for i, length in enumerate(lengths):
         check_length(length, f"sample {i}")
     return pack_sorted(sorted(range(len(lengths)), key=lengths.__getitem__), lengths, token_budget)

@@ -122,3 +122,14 @@ def test_hold_sparse_holds_at_most_limit_samples_a_prefix_in_walk_order():
     # a capped hold that would hold every group holds none
     assert hold_sparse(groups[:3], lengths, frac, set(), limit=7) == (groups[:3], [])
     assert hold_sparse(groups[:3], lengths, frac, set(), limit=6) == ([[5, 6]], [[0, 1], [2, 3, 4]])
+
+
+@pytest.mark.parametrize("lengths", [(x for x in [3, 2]), {3, 2}, "32"], ids=["generator", "set", "str"])
+@pytest.mark.parametrize("fn", ["form_groups", "pack_groups"])
+def test_lengths_that_are_not_a_sequence_are_a_type_error_naming_the_type(fn, lengths):
+    """Group members are indices into ``lengths``: an iterator (which the checks would use up,
+    leaving an empty walk and a misleading error), a set or a string is refused by name."""
+    import odb_core
+
+    with pytest.raises(TypeError, match=f"got {type(lengths).__name__}"):
+        getattr(odb_core, fn)(lengths, 10)
