@@ -7,10 +7,11 @@ gathered data with the same parameters.
 
 from __future__ import annotations
 
+import numbers
 from fractions import Fraction
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 Mode = Literal["join", "non-join"]
 LossScaling = Literal["none", "sample", "approx", "exact"]
@@ -25,6 +26,17 @@ strategies, the conformance scenarios and the spec's ``Policy`` constant are che
 against it (``tests/test_policy_names.py``)."""
 OVERFLOW_POLICIES: tuple[OverflowPolicyName, ...] = get_args(OverflowPolicyName)
 BUDGETS: tuple[BudgetName, ...] = get_args(BudgetName)
+
+
+def _integral(value: Any) -> Any:
+    """An integer field's input: a Python or NumPy integer as an int; a bool, string or float
+    is refused rather than coerced (pydantic's lax mode reads ``True`` as 1 and ``"8192"`` as 8192)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"must be an integer, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+Integer = Annotated[int, BeforeValidator(_integral)]
 
 
 class ODBConfig(BaseModel):
@@ -98,16 +110,16 @@ class ODBConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    token_budget: int = Field(ge=1)
+    token_budget: Integer = Field(ge=1)
     budget: BudgetName = "padded"
-    buffer_size: int = Field(default=1024, ge=1)
-    depth: int | None = Field(default=None, ge=1)
+    buffer_size: Integer = Field(default=1024, ge=1)
+    depth: Integer | None = Field(default=None, ge=1)
     mode: Mode = "join"
     loss_scaling: LossScaling = "exact"
-    seed: int = 0
+    seed: Integer = 0
     target_policy: TargetPolicyName = "balanced"
     overflow_policy: OverflowPolicyName = "largest"
-    output_capacity: int | None = Field(default=None, ge=1)
+    output_capacity: Integer | None = Field(default=None, ge=1)
     regroup_padding: float | None = Field(default=0.02, ge=0, lt=1)
     shuffle_steps: bool = True
     shared_tail: float = Field(default=0.0, ge=0, lt=1)

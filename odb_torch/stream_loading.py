@@ -156,8 +156,9 @@ def stream_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], rank: 
     Likewise ``num_workers``: another worker count deals the stream's shards otherwise, so the
     same positions are other elements (field ``num_workers``; a state without it is refused)."""
     if not isinstance(state, Mapping) or state.get("kind") == "odb-global" or state.get("world_size") != world:
-        got = state.get("world_size") if isinstance(state, Mapping) else f"{len(state)} states"
-        raise stream_world_error(f"rank {rank}: got a checkpoint of world size {got}, this run has {world}", rank=rank)
+        got = (f"a checkpoint of world size {state.get('world_size')}" if isinstance(state, Mapping)
+               else f"a list of {len(state)} rank states (an elastic resume)")
+        raise stream_world_error(f"rank {rank}: got {got}, this run has world size {world}", rank=rank)
     for key, mine in (("rank", rank), ("seed", seed), ("num_workers", num_workers)):
         if state.get(key) != mine:
             raise ResumeStateError(f"rank {rank}: stream state_dict {key}={state.get(key)!r} does not match this "

@@ -1,6 +1,9 @@
 """Configuration validation names the field; misuse of the state machine is a typed error."""
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from odb_core import InvalidSampleError, ODBConfig, ProtocolStateError, RankProtocol, simulate
@@ -22,6 +25,23 @@ from odb_core import InvalidSampleError, ODBConfig, ProtocolStateError, RankProt
 def test_invalid_config_names_the_field(kwargs, field):
     with pytest.raises(ValidationError, match=field):
         ODBConfig(**kwargs)
+
+
+INTEGER_FIELDS = ("token_budget", "buffer_size", "depth", "seed", "output_capacity")
+
+
+@given(field=st.sampled_from(INTEGER_FIELDS),
+       value=st.one_of(st.booleans(), st.floats(allow_nan=False), st.integers(1, 5000).map(str),
+                       st.integers(1, 5000).map(float), st.integers(2000, 5000).map(np.int64)))
+def test_integer_fields_take_integers_and_refuse_what_lax_parsing_would_coerce(field, value):
+    """An integer field takes a Python or NumPy integer (as an int) and refuses, naming the field,
+    a bool, string or float that pydantic's lax mode would coerce (``True`` as a budget of 1)."""
+    kwargs = {"token_budget": 4096, field: value}
+    if isinstance(value, np.integer):
+        assert getattr(ODBConfig(**kwargs), field) == int(value) and type(getattr(ODBConfig(**kwargs), field)) is int
+    else:
+        with pytest.raises(ValidationError, match=field):
+            ODBConfig(**kwargs)
 
 
 def test_depth_defaults_to_buffer_size():

@@ -90,3 +90,14 @@ def test_search_returns_the_largest_fitting_multiple_of_step(step, start, cutoff
         return
     assert found == max(fitting) and all(n in fitting for n in range(first, found + 1, step))  # monotone up to it
     assert nxt is None or (nxt == found + step and not search.fits(nxt))
+
+
+def test_a_model_whose_forward_takes_no_batch_keywords_is_a_value_error_naming_it():
+    """odb tune calls ``model(input_ids=..., labels=...)``: a module that cannot take them (here
+    ``nn.Sequential``, whose forward takes one positional input) is a ValueError naming the class
+    and the call, which the CLI prints as one line, not a raw TypeError traceback."""
+    from odb_tools.tune.model import call_loss
+
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4))
+    with pytest.raises(ValueError, match="Sequential.forward cannot take the batch"):
+        call_loss(model, {"input_ids": torch.zeros(1, 3, dtype=torch.long), "labels": torch.zeros(1, 3, dtype=torch.long)})

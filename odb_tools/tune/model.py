@@ -81,7 +81,12 @@ def call_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tens
     params = inspect.signature(model.forward).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         batch = {k: v for k, v in batch.items() if k in params}
-    out: Any = model(**batch)
+    try:
+        out: Any = model(**batch)
+    except TypeError as exc:
+        raise ValueError(f"{type(model).__name__}.forward cannot take the batch as keywords "
+                         f"({', '.join(batch) or 'none it accepts'}): {exc}; odb tune calls model(input_ids=..., "
+                         "labels=...) and reads the loss") from None
     loss = out.loss if hasattr(out, "loss") else out[0] if isinstance(out, tuple | list) else out
     if not isinstance(loss, torch.Tensor):
         raise ValueError(f"the model returned no loss tensor (got {type(loss).__name__})")
