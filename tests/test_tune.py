@@ -101,3 +101,12 @@ def test_a_model_whose_forward_takes_no_batch_keywords_is_a_value_error_naming_i
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4))
     with pytest.raises(ValueError, match="Sequential.forward cannot take the batch"):
         call_loss(model, {"input_ids": torch.zeros(1, 3, dtype=torch.long), "labels": torch.zeros(1, 3, dtype=torch.long)})
+
+
+def test_a_misspelt_config_override_is_a_value_error_not_a_silently_default_model():
+    """transformers keeps any keyword as a config attribute, so ``--set hidden_sise=64`` would
+    measure the default model's memory; the override is refused by name."""
+    from odb_tools.tune.model import build_model
+
+    with pytest.raises(ValueError, match="hidden_sise: not a field of its 'llama' config"):
+        build_model("llama", {"hidden_sise": 64})

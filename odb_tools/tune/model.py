@@ -60,13 +60,28 @@ def build_model(spec: ModelSpec, overrides: Mapping[str, Any] | None = None) -> 
         data = {**loaded, **dict(overrides or {})}
         if "model_type" not in data:
             raise ValueError(f"model {spec!r}: the config JSON has no 'model_type'")
+        _known_keys(data["model_type"], overrides, spec, also=loaded)
         config = AutoConfig.for_model(**data)
     else:
         try:
-            config = AutoConfig.for_model(spec, **dict(overrides or {}))
+            AutoConfig.for_model(spec)
         except ValueError as exc:
             raise ValueError(f"model {spec!r} is neither a file, module:callable nor a transformers model type: {exc}") from None
+        _known_keys(spec, overrides, spec)
+        config = AutoConfig.for_model(spec, **dict(overrides or {}))
     return _checked(AutoModelForCausalLM.from_config(config), spec)  # type: ignore[no-untyped-call]
+
+
+def _known_keys(model_type: str, overrides: Mapping[str, Any] | None, spec: str, also: Mapping[str, Any] = {}) -> None:
+    """ValueError naming an override that is not a field of the model type's config (nor of the
+    JSON ``also``): transformers keeps any keyword as an attribute, so a misspelt
+    ``hidden_sise=64`` would silently measure the default model."""
+    from transformers import AutoConfig
+
+    fields = set(AutoConfig.for_model(model_type).to_dict()) | set(also)
+    unknown = sorted(set(overrides or {}) - fields)
+    if unknown:
+        raise ValueError(f"model {spec!r}: --set {', '.join(unknown)}: not a field of its {model_type!r} config")
 
 
 def _checked(model: object, what: str) -> nn.Module:
