@@ -54,7 +54,8 @@ def check(
     kinds = ("quick", "sanity", "mutant") + (("deep",) if deep else ())
     paths = [p for p in configs(kinds) if fnmatch.fnmatch(p.stem, select)]
     picked = [s for s in conformance.STATE_SPACE_SCENARIOS if fnmatch.fnmatch(s.name, scenarios)]
-    _refuse_empty_selection(deep, select, paths, traces, mutant_traces_each, hunt_examples, real_traces)
+    warnings = _refuse_empty_selection(deep, select, paths, picked, traces, mutant_traces_each, hunt_examples,
+                                       real_traces)
     total = len(paths) + len(MUTANTS) + len(picked) + 3 + (real_traces is not None)
     with _Progress(total, progress) as say:
         sany("MC")
@@ -91,27 +92,31 @@ def check(
         "mutants": mutants,
         "conformance": conf,
         "reach": reach,
+        "warnings": warnings,
         "seconds": round(time.perf_counter() - started, 1),
     }
 
 
-def _refuse_empty_selection(deep: bool, select: str, paths: list[Any], traces: int, mutant_traces: int,
-                            hunt_examples: int, real_traces: str | None) -> None:
-    """ValueError for a request that would check less than it names: a ``select`` glob that
-    picks no TLC configuration and no reach check, a negative count, or a ``real_traces``
-    directory without trace logs. A check that checks nothing must not report a pass.
-    (``scenarios`` may pick none: that skips the state-space comparison, reported as None.)"""
+def _refuse_empty_selection(deep: bool, select: str, paths: list[Any], picked: list[Any], traces: int,
+                            mutant_traces: int, hunt_examples: int, real_traces: str | None) -> list[str]:
+    """ValueError for a request that would check nothing (no configuration or reach check picked,
+    no scenario, no traces, no hunts, no real traces), for a negative count, and for a
+    ``real_traces`` directory without trace logs: a check must not report a pass for nothing.
+    Returns the warnings of a request that checks less than it names (a ``select`` glob that
+    picks no configuration and no reach check while other checks still run)."""
     from pathlib import Path
 
     for name, value in (("traces", traces), ("mutant traces", mutant_traces), ("hunt examples", hunt_examples)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
-    if not paths and not any(picked_checks(deep, select)):
-        raise ValueError(f"--select {select!r} matches no TLC configuration and no reach_* check"
-                         + ("" if deep else " (deep ones need --deep)"))
     if real_traces is not None and not any(Path(real_traces).rglob("*-rank*.jsonl")):
         raise ValueError(f"--real-traces {real_traces!r} holds no trace logs (*-rank*.jsonl): "
                          "is it the run's ODB_TRACE_DIR?")
+    selected = bool(paths) or any(picked_checks(deep, select))
+    if not (selected or picked or traces or mutant_traces or hunt_examples or real_traces is not None):
+        raise ValueError(f"nothing to check: --select {select!r} matches no TLC configuration and no reach_* check"
+                         f"{'' if deep else ' (deep ones need --deep)'}, and no scenario, trace or hunt is asked for")
+    return [] if selected else [f"--select {select!r} matches no TLC configuration and no reach_* check"]
 
 
 class _Progress:

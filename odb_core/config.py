@@ -29,8 +29,11 @@ BUDGETS: tuple[BudgetName, ...] = get_args(BudgetName)
 
 
 def _integral(value: Any) -> Any:
-    """An integer field's input: a Python or NumPy integer as an int; a bool, string or float
-    is refused rather than coerced (pydantic's lax mode reads ``True`` as 1 and ``"8192"`` as 8192)."""
+    """An integer field's input: a Python or NumPy integer, or a float with an integral value
+    (``8192.0``, YAML's ``8e3``), as an int; a bool, a string or a fractional float is refused
+    rather than coerced (pydantic's lax mode reads ``True`` as 1 and ``"8192"`` as 8192)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"must be an integer, got {type(value).__name__} {value!r}")
     return int(value)

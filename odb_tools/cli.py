@@ -153,6 +153,8 @@ def _check(args: argparse.Namespace) -> int:
     report = check(deep=args.deep, select=args.select, traces=args.traces, mutant_traces_each=args.mutant_traces,
                    hunt_examples=args.hunt_examples, progress=not args.json, scenarios=args.scenarios,
                    real_traces=args.real_traces)
+    for warning in report["warnings"]:
+        print(f"odb check: warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(report))
     else:
@@ -267,7 +269,7 @@ def _bench_batching(args: argparse.Namespace) -> int:
     unknown = [d for d in names if d not in known]
     if unknown or not names:
         raise SystemExit(f"odb bench batching: --distributions {args.distributions!r}: choose from {', '.join(known)}")
-    if max(args.worlds) > args.samples:
+    if max(args.worlds) > args.samples and any(d != "chat" for d in names):
         raise SystemExit(f"odb bench batching: --worlds {max(args.worlds)} is more ranks than --samples {args.samples}")
     rows = run(samples=args.samples, budgets=args.budgets, worlds=args.worlds, buffer_size=args.buffer_size,
                distributions=names, seed=args.seed,
@@ -394,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 USER_ERRORS = (ValueError, OSError, ODBError)
 """What bad input raises (arguments, files, configurations): reported as ``odb <command>:
-message`` with exit status 2, not a traceback (pydantic's ValidationError is a ValueError)."""
+message`` with exit status 2, not a traceback (pydantic's ValidationError is a ValueError);
+``ODB_DEBUG=1`` re-raises it with its traceback."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -403,6 +406,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except USER_ERRORS as exc:
+        if os.environ.get("ODB_DEBUG"):
+            raise
         print(f"odb {args.command}: {describe_error(exc)}", file=sys.stderr)
         return 2
 

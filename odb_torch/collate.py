@@ -47,9 +47,10 @@ def _check_fields(samples: Sequence[Mapping[str, Any]]) -> None:
     first = samples[0].keys()
     for k, sample in enumerate(samples[1:], start=1):
         if sample.keys() != first:
-            extra, missing = sorted(sample.keys() - first), sorted(first - sample.keys())
-            raise ValueError(f"pad_collate: sample {k} in the batch has fields {extra} that sample 0 lacks and lacks "
-                             f"{missing}; every sample of a batch needs the same fields")
+            extra, missing = sorted(sample.keys() - first, key=repr), sorted(first - sample.keys(), key=repr)
+            parts = ([f"has {extra} that sample 0 lacks"] if extra else []) + ([f"lacks {missing}"] if missing else [])
+            raise ValueError(f"pad_collate: sample {k} in the batch {' and '.join(parts)}; every sample of a batch "
+                             "needs the same fields")
 
 
 def _length(x: Any) -> int:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import ctypes
 import math
 import numbers
+import operator
+import reprlib
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -142,16 +144,26 @@ def default_length(sample: Any) -> int:
     for anything else (a tokenizer's ``return_tensors="pt"`` row of shape ``[1, L]`` would
     otherwise count as one token, and a string as its characters)."""
     ids = sample["input_ids"]
+    ndim = getattr(ids, "ndim", 1)  # tensors and arrays say their dimensions
+    if ndim != 1:
+        raise ValueError(f"input_ids has shape {list(ids.shape)}, not one row of token ids (squeeze a "
+                         "tokenizer's batch dimension)")
     if isinstance(ids, torch.Tensor):
-        if ids.dim() != 1:
-            raise ValueError(f"input_ids has shape {list(ids.shape)}, not one row of token ids (squeeze a "
-                             "tokenizer's batch dimension)")
         return ids.shape[0]
-    if isinstance(ids, (str, bytes)) or (len(ids) and not isinstance(ids[0], numbers.Integral)
-                                          and not (isinstance(ids[0], torch.Tensor) and ids[0].dim() == 0)):
-        first = ids[:20] if isinstance(ids, (str, bytes)) else ids[0]
-        raise ValueError(f"input_ids is a {type(ids).__name__} starting {first!r}, not one row of token ids")
+    if isinstance(ids, (str, bytes)) or (len(ids) and not _is_index(ids[0])):
+        raise ValueError(f"input_ids is a {type(ids).__name__} starting {reprlib.repr(ids[0] if len(ids) else ids)}, "
+                         "not one row of token ids")
     return len(ids)
+
+
+def _is_index(value: Any) -> bool:
+    """An integer token id: anything ``operator.index`` takes (ints, NumPy integers and 0-d integer
+    arrays, 0-d integer tensors)."""
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def default_loss_tokens(sample: Any, length: int) -> int:

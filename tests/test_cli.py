@@ -123,7 +123,8 @@ BAD = [
     (["tune", "--model", "llama", "--memory", "0", "--max-length", "64"], "tune", "more than 0"),
     (["tune", "--model", "llama", "--memory", "1GiB", "--max-length", "64", "--step", "64", "--max-budget", "32"],
      "tune", "--max-budget"),
-    (["check", "--select", "nomatch"], "check", "matches no TLC configuration"),
+    (["check", "--select", "nomatch", "--scenarios", "none", "--traces", "0", "--mutant-traces", "0",
+      "--hunt-examples", "0"], "check", "nothing to check"),
     (["check", "--traces", "-1"], "check", "--traces"),
     (["check", "--select", "quick_join_2x4", "--real-traces", "{empty}"], "check", "no trace logs"),
 ]

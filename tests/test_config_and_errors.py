@@ -32,14 +32,17 @@ INTEGER_FIELDS = ("token_budget", "buffer_size", "depth", "seed", "output_capaci
 
 @given(field=st.sampled_from(INTEGER_FIELDS),
        value=st.one_of(st.booleans(), st.floats(allow_nan=False), st.integers(1, 5000).map(str),
-                       st.integers(1, 5000).map(float), st.integers(2000, 5000).map(np.int64)))
+                       st.integers(2000, 5000).map(float), st.integers(2000, 5000).map(np.int64)))
 def test_integer_fields_take_integers_and_refuse_what_lax_parsing_would_coerce(field, value):
-    """An integer field takes a Python or NumPy integer (as an int) and refuses, naming the field,
-    a bool, string or float that pydantic's lax mode would coerce (``True`` as a budget of 1)."""
+    """An integer field takes a Python or NumPy integer or an integral float (as an int) and
+    refuses, naming the field, a bool, a string or a fractional float that pydantic's lax mode
+    would coerce (``True`` as a budget of 1, ``"8192"`` as 8192)."""
     kwargs = {"token_budget": 4096, field: value}
-    if isinstance(value, np.integer):
-        assert getattr(ODBConfig(**kwargs), field) == int(value) and type(getattr(ODBConfig(**kwargs), field)) is int
-    else:
+    integral = isinstance(value, np.integer) or (isinstance(value, float) and value.is_integer())
+    if integral and 2000 <= value <= 5000:
+        got = getattr(ODBConfig(**kwargs), field)
+        assert got == int(value) and type(got) is int
+    elif not integral:
         with pytest.raises(ValidationError, match=field):
             ODBConfig(**kwargs)
 

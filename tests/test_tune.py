@@ -110,3 +110,7 @@ def test_a_misspelt_config_override_is_a_value_error_not_a_silently_default_mode
 
     with pytest.raises(ValueError, match="hidden_sise: not a field of its 'llama' config"):
         build_model("llama", {"hidden_sise": 64})
+    # aliases and keywords the config consumes are fields in effect, and are applied
+    gpt2 = build_model("gpt2", {"hidden_size": 24, "n_head": 2, "num_hidden_layers": 1, "vocab_size": 100,
+                                "attn_implementation": "eager"})
+    assert (gpt2.config.n_embd, gpt2.config.n_layer, gpt2.config._attn_implementation) == (24, 1, "eager")

@@ -73,13 +73,17 @@ def build_model(spec: ModelSpec, overrides: Mapping[str, Any] | None = None) -> 
 
 
 def _known_keys(model_type: str, overrides: Mapping[str, Any] | None, spec: str, also: Mapping[str, Any] = {}) -> None:
-    """ValueError naming an override that is not a field of the model type's config (nor of the
-    JSON ``also``): transformers keeps any keyword as an attribute, so a misspelt
-    ``hidden_sise=64`` would silently measure the default model."""
+    """ValueError naming an override that the model type's config only stores as a new attribute
+    (nor is a key of the JSON ``also``): transformers keeps any unknown keyword that way, so a
+    misspelt ``hidden_sise=64`` would silently measure the default model. Aliases and keywords
+    the config consumes (``hidden_size`` for gpt2, ``attn_implementation``) are not new attributes."""
     from transformers import AutoConfig
 
-    fields = set(AutoConfig.for_model(model_type).to_dict()) | set(also)
-    unknown = sorted(set(overrides or {}) - fields)
+    if not overrides:
+        return
+    default = set(AutoConfig.for_model(model_type).to_dict())
+    built = set(AutoConfig.for_model(model_type, **dict(overrides)).to_dict())
+    unknown = sorted((built - default - set(also)) & set(overrides))
     if unknown:
         raise ValueError(f"model {spec!r}: --set {', '.join(unknown)}: not a field of its {model_type!r} config")
 
@@ -97,11 +101,12 @@ def call_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tens
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         batch = {k: v for k, v in batch.items() if k in params}
     try:
-        out: Any = model(**batch)
+        inspect.signature(model.forward).bind(**batch)
     except TypeError as exc:
         raise ValueError(f"{type(model).__name__}.forward cannot take the batch as keywords "
                          f"({', '.join(batch) or 'none it accepts'}): {exc}; odb tune calls model(input_ids=..., "
                          "labels=...) and reads the loss") from None
+    out: Any = model(**batch)
     loss = out.loss if hasattr(out, "loss") else out[0] if isinstance(out, tuple | list) else out
     if not isinstance(loss, torch.Tensor):
         raise ValueError(f"the model returned no loss tensor (got {type(loss).__name__})")

@@ -26,6 +26,7 @@ import inspect
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
@@ -276,8 +277,13 @@ class ODBTrainer(Trainer):
         gathered); a rank's ODB loss, its summed token loss x ``W / window_tokens`` (P7), is the
         window's loss only as the mean over ranks, so ``train_loss`` was wrong and differed per rank."""
         pending = getattr(self, "_tr_loss", None)
-        if isinstance(pending, torch.Tensor) and self.args.world_size > 1:
-            self._tr_loss = self.accelerator.reduce(pending.detach().clone(), reduction="mean")
+        if self.args.world_size > 1:
+            if isinstance(pending, torch.Tensor):
+                self._tr_loss = self.accelerator.reduce(pending.detach().clone(), reduction="mean")
+            else:
+                warnings.warn("ODBTrainer: this transformers version keeps no Trainer._tr_loss tensor, so train_loss "
+                              "is this rank's own (ODB-scaled) loss; the logged losses are averaged over ranks",
+                              RuntimeWarning, stacklevel=2)
         return super()._finalize_training(*args, **kwargs)  # type: ignore[no-untyped-call]
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
