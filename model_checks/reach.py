@@ -220,6 +220,11 @@ CI_BEHAVIOURS = 6
 DEEP_BEHAVIOURS = 40
 
 
+def all_models(deep: bool) -> tuple[Model, ...]:
+    """The simulated models of the CI slice, and with ``deep`` the long slice's too."""
+    return CI_MODELS + (deep_models() if deep else ())
+
+
 def picked_checks(deep: bool, select: str) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
     """The simulated models, simulation bugs, progress and inductiveness checks whose
     ``reach_<kind>_<name>`` matches the glob ``select`` (see :func:`check_reach`)."""
@@ -227,8 +232,7 @@ def picked_checks(deep: bool, select: str) -> tuple[list[Any], list[Any], list[A
     def picked(kind: str, name: str) -> bool:
         return fnmatch.fnmatch(f"reach_{kind}_{name}", select)
 
-    all_models = CI_MODELS + (deep_models() if deep else ())
-    models = [m for m in all_models if picked("sim", m.name)]
+    models = [m for m in all_models(deep) if picked("sim", m.name)]
     sim_bugs = [b for b in SIM_BUGS if picked("simbug", b.name)]
     prog_checks = [c for c in (progress.quick_checks(None if deep else progress.CI_QUICK) + progress.BUGS
                                + (progress.deep_checks() if deep else ())) if picked("progress", c.name)]
@@ -259,7 +263,7 @@ def check_reach(deep: bool = False, select: str = "*", say: Callable[[str], None
         say(f"  simulate bug {b.name}: {b.outcome} ({'caught' if b.passed else 'expected ' + b.expected})")
     coverage = {k: sum(r.coverage.get(k, 0) for r in sims) for k in COVERAGE}
     # every counter non-zero over the whole slice: the simulation exercised every branch
-    covered = len(models) < len(CI_MODELS + (deep_models() if deep else ())) or all(coverage.values())
+    covered = len(models) < len(all_models(deep)) or all(coverage.values())
     simulation: dict[str, Any] = {
         "models": [r.to_json() for r in sims],
         "behaviours": sum(r.behaviours for r in sims),

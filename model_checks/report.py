@@ -54,7 +54,7 @@ def check(
     kinds = ("quick", "sanity", "mutant") + (("deep",) if deep else ())
     paths = [p for p in configs(kinds) if fnmatch.fnmatch(p.stem, select)]
     picked = [s for s in conformance.STATE_SPACE_SCENARIOS if fnmatch.fnmatch(s.name, scenarios)]
-    warnings = _refuse_empty_selection(deep, select, paths, picked, traces, mutant_traces_each, hunt_examples,
+    warnings = _screen_request(deep, select, paths, picked, traces, mutant_traces_each, hunt_examples,
                                        real_traces)
     total = len(paths) + len(MUTANTS) + len(picked) + 3 + (real_traces is not None)
     with _Progress(total, progress) as say:
@@ -97,7 +97,7 @@ def check(
     }
 
 
-def _refuse_empty_selection(deep: bool, select: str, paths: list[Any], picked: list[Any], traces: int,
+def _screen_request(deep: bool, select: str, paths: list[Any], picked: list[Any], traces: int,
                             mutant_traces: int, hunt_examples: int, real_traces: str | None) -> list[str]:
     """ValueError for a request that would check nothing (no configuration or reach check picked,
     no scenario, no traces, no hunts, no real traces), for a negative count, and for a

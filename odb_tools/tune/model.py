@@ -60,32 +60,28 @@ def build_model(spec: ModelSpec, overrides: Mapping[str, Any] | None = None) -> 
         data = {**loaded, **dict(overrides or {})}
         if "model_type" not in data:
             raise ValueError(f"model {spec!r}: the config JSON has no 'model_type'")
-        _known_keys(data["model_type"], overrides, spec, also=loaded)
         config = AutoConfig.for_model(**data)
+        _refuse_new_keys(config, AutoConfig.for_model(data["model_type"]), overrides, spec, also=loaded)
     else:
         try:
-            AutoConfig.for_model(spec)
+            default = AutoConfig.for_model(spec)
         except ValueError as exc:
             raise ValueError(f"model {spec!r} is neither a file, module:callable nor a transformers model type: {exc}") from None
-        _known_keys(spec, overrides, spec)
         config = AutoConfig.for_model(spec, **dict(overrides or {}))
+        _refuse_new_keys(config, default, overrides, spec)
     return _checked(AutoModelForCausalLM.from_config(config), spec)  # type: ignore[no-untyped-call]
 
 
-def _known_keys(model_type: str, overrides: Mapping[str, Any] | None, spec: str, also: Mapping[str, Any] = {}) -> None:
-    """ValueError naming an override that the model type's config only stores as a new attribute
-    (nor is a key of the JSON ``also``): transformers keeps any unknown keyword that way, so a
-    misspelt ``hidden_sise=64`` would silently measure the default model. Aliases and keywords
-    the config consumes (``hidden_size`` for gpt2, ``attn_implementation``) are not new attributes."""
-    from transformers import AutoConfig
-
-    if not overrides:
-        return
-    default = set(AutoConfig.for_model(model_type).to_dict())
-    built = set(AutoConfig.for_model(model_type, **dict(overrides)).to_dict())
-    unknown = sorted((built - default - set(also)) & set(overrides))
+def _refuse_new_keys(config: Any, default: Any, overrides: Mapping[str, Any] | None, spec: str,
+                     also: Mapping[str, Any] = {}) -> None:
+    """ValueError naming an override that ``config`` only stores as a new attribute, absent from
+    the model type's ``default`` config (and from the JSON ``also``): transformers keeps any
+    unknown keyword that way, so a misspelt ``hidden_sise=64`` would silently measure the
+    default model. Aliases and keywords the config consumes (``hidden_size`` for gpt2,
+    ``attn_implementation``) are not new attributes."""
+    unknown = sorted((set(config.to_dict()) - set(default.to_dict()) - set(also)) & set(overrides or {}))
     if unknown:
-        raise ValueError(f"model {spec!r}: --set {', '.join(unknown)}: not a field of its {model_type!r} config")
+        raise ValueError(f"model {spec!r}: --set {', '.join(unknown)}: not a field of its {default.model_type!r} config")
 
 
 def _checked(model: object, what: str) -> nn.Module:
