@@ -1,4 +1,5 @@
-"""How full a packed epoch's tail can be: ODB's packed budget on the chat data against the
+"""How full a packed epoch's tail can be: ODB's packed budget on the chat data, with and without
+a shared tail (whose reserve fills part-full groups by room, ``odb_core.tail``), against the
 bound a tail that moves measured samples between ranks could reach (issue 16's W=8 chat gap).
 
     .venv/bin/python benchmarks/bench_tail_fill.py [--world 8] [--seeds 0 1 2 3 4] [--pools 0.02 0.05]
@@ -11,7 +12,7 @@ batch, as ``odb bench batching``) for:
 * ``per-rank FFD``: first-fit decreasing over each rank's own shard (offline): the best any
   batcher that packs only its own rank's samples can do;
 * ``odb min`` and ``odb min, pool f``: the real protocol (``budget="packed"``, ``min`` target),
-  without and with ``shared_tail=f``;
+  without and with ``shared_tail=f`` (2026-11-27, seeds 0-4: 441-442 without, 438 with 0.02);
 * ``ideal pool f``: *not a protocol*: the last f x N views of the order are kept out of the
   shards, each rank packs its shard by FFD, then each pool view, its length known, goes to the
   part-full batch on any rank with the least room that holds it (a new batch on the rank with

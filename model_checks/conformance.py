@@ -374,6 +374,10 @@ STATE_SPACE_SCENARIOS = (  # in aligned order, so the core's state space equals 
              shuffle=False),
     # the shared tail (spec/MC.tla NV_2t, Pool_2t): the short rank runs out first and claims the pool
     Scenario("join_2_pool", ((6, 7), (1, 2)), pool=(3, 1, 4, 2), policy="balanced", shuffle=False),
+    # the packed budget's pool (quick_join_2_pool_packed): part-full groups held open while the pool
+    # is open, the reserve's views claimed one a gather by the rank with the most room
+    Scenario("join_2_pool_packed", ((6, 7), (1, 2)), pool=(3, 1, 4, 2), policy="min", budget_kind="packed",
+             shuffle=False),
 )
 SHUFFLED_SCENARIOS = (  # shuffled steps: one seeded order per round, inside the spec's every order
     # 3 views per rank: 2,712 core states, 440 of them reached only by shuffling (17 s; the 4-view

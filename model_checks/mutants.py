@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from bisect import insort
 from collections.abc import Sequence
+from itertools import accumulate
 
-from odb_core.epoch import EpochDriver
+from odb_core.epoch import ClaimRule, EpochDriver
 from odb_core.packing import size_of
 from odb_core.protocol import RankProtocol, Step
+from odb_core.tail import reserve_views
 from odb_core.wire import Header, Status
 
 
@@ -127,6 +129,54 @@ class DropLastClaimDriver(EpochDriver):
         super()._apply_claims(proto)
 
 
+def _in_reserve(rule: ClaimRule, hs: Sequence[Header]) -> bool:
+    """The round deals the packed budget's reserve (one view, by room; :mod:`odb_core.tail`)."""
+    loads, samples = [h.load for h in hs], [h.samples for h in hs]
+    reserve = reserve_views(loads, samples, rule.left, rule.budget)
+    return bool(rule.left and reserve and rule.left <= reserve)
+
+
+def _counts(counts: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return tuple(counts), tuple(accumulate(counts, initial=0))
+
+
+class NoFallbackRule(ClaimRule):
+    """The reserve's view goes only to a rank with room: with none, nobody claims."""
+
+    def __call__(self, hs: Sequence[Header]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        if _in_reserve(self, hs) and not any(h.pending == 0 and h.room > 0 for h in hs):
+            return _counts([0] * len(hs))
+        return super().__call__(hs)
+
+
+class LeastRoomRule(ClaimRule):
+    """The reserve's view goes to the rank with the least room instead of the most."""
+
+    def __call__(self, hs: Sequence[Header]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        roomy = [r for r, h in enumerate(hs) if h.pending == 0 and h.room > 0]
+        if _in_reserve(self, hs) and roomy:
+            counts = [0] * len(hs)
+            counts[min(roomy, key=lambda r: (hs[r].room, r))] = 1
+            return _counts(counts)
+        return super().__call__(hs)
+
+
+class FillNoFallbackDriver(EpochDriver):
+    """F1 (the packed budget's pool): the reserve's view goes only to a rank with room, so
+    once every rank with nothing pending has no part-full group (all emitted full, or an empty
+    buffer) the pool is never claimed again and the epoch never ends (breaks P6: Termination).
+    Spec twin: ``FillClaim <- MutFillNoFallback``."""
+
+    claim_rule_cls = NoFallbackRule
+
+
+class FillLeastRoomDriver(EpochDriver):
+    """F2 (the packed budget's pool): the reserve's view goes to the rank with the least room
+    (every view still dealt once: only trace replay, which checks each gather's claims, sees it)."""
+
+    claim_rule_cls = LeastRoomRule
+
+
 def _with(name: str, protocol: type[RankProtocol]) -> type[EpochDriver]:
     """An epoch driver running ``protocol`` (named ``name`` in this module, so it pickles)."""
     return type(name, (EpochDriver,), {"protocol_cls": protocol, "__module__": __name__, "__doc__": protocol.__doc__})
@@ -148,13 +198,17 @@ MUTANTS: dict[str, type[EpochDriver]] = {
     "merge-overflow": MergeOverflowDriver,
     "no-chain": NoChainDriver,
     "pack-overfill": PackOverfillDriver,
+    "fill-no-fallback": FillNoFallbackDriver,
 }
 #: the mutants that only change the packed budget's behaviour (their hunts and traces draw it)
-PACKED_MUTANTS = ("pack-overfill",)
+PACKED_MUTANTS = ("pack-overfill", "fill-no-fallback")
+#: the mutants that only change a pooled epoch's behaviour (their hunts draw a shared tail)
+POOLED_MUTANTS = ("fill-no-fallback",)
 #: mutants of the adapter's epoch loop, caught by replaying real-run traces
 ADAPTER_MUTANTS: dict[str, type[EpochDriver]] = {"local-quota": LocalQuotaDriver, "round-quota": RoundQuotaDriver}
 #: mutants of the shared tail's claims (join mode with a pool), caught by replaying pooled traces
-POOL_MUTANTS: dict[str, type[EpochDriver]] = {"double-deal": DoubleDealDriver, "drop-last-claim": DropLastClaimDriver}
+POOL_MUTANTS: dict[str, type[EpochDriver]] = {"double-deal": DoubleDealDriver, "drop-last-claim": DropLastClaimDriver,
+                                               "fill-least-room": FillLeastRoomDriver}
 
 
 def driver(mutant: str | None) -> type[EpochDriver]:

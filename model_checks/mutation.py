@@ -13,9 +13,9 @@ from collections import Counter
 from hypothesis import HealthCheck, find, settings
 from hypothesis.errors import NoSuchExample
 
-from model_checks.mutants import MUTANTS, PACKED_MUTANTS, driver
+from model_checks.mutants import MUTANTS, PACKED_MUTANTS, POOLED_MUTANTS, driver
 from model_checks.strategies import Case, cases
-from odb_core import ODBError, RankProtocol, simulate
+from odb_core import ODBError, ProtocolStateError, RankProtocol, simulate
 from odb_core.budgets import within_budget
 from odb_core.config import BUDGETS
 
@@ -28,6 +28,7 @@ BREAKS = {
     "merge-overflow": "P3",
     "no-chain": "P5",
     "pack-overfill": "P3",
+    "fill-no-fallback": "P6",
 }
 #: the cases a hunt draws from: (modes, need_capacity); PACKED_MUTANTS draw the packed budget only
 SEARCH = {
@@ -38,6 +39,7 @@ SEARCH = {
     "merge-overflow": (("join", "non-join"), True),
     "no-chain": (("non-join",), False),
     "pack-overfill": (("join", "non-join"), False),
+    "fill-no-fallback": (("join",), False),
 }
 
 
@@ -45,7 +47,8 @@ def violations(case: Case) -> set[str]:
     """Names of the properties this simulated epoch violates.
 
     ``P1`` partition at every round, ``P2`` equal item counts (a core that raises
-    on a peer's wrong-length vector counts as P2 caught at the wire), ``P3``
+    on a peer's wrong-length vector counts as P2 caught at the wire), ``P6`` a logical
+    iteration past the simulator's round bound (it would never end), ``P3``
     budget (the configured one: padded or packed), ``P4`` join coverage, ``P5`` quota
     closure, ``capacity`` items per round within the output capacity.
     """
@@ -60,6 +63,8 @@ def violations(case: Case) -> set[str]:
     try:
         result = simulate(case.lengths, case.world, case.config, case.schedule, observer=observe,
                           driver_cls=driver(case.mutant))
+    except ProtocolStateError as exc:
+        return found | {"P6" if "without terminating" in str(exc) else "P2"}
     except ODBError:
         return found | {"P2"}
     cfg = case.config
@@ -96,7 +101,8 @@ def hunt(mutant: str, max_examples: int = 2000) -> Case | None:
     budgets = ("packed",) if mutant in PACKED_MUTANTS else BUDGETS
     try:
         return find(
-            cases(modes=modes, max_n=300, need_capacity=need_capacity, budgets=budgets),
+            cases(modes=modes, max_n=300, need_capacity=need_capacity, budgets=budgets,
+                  pooled=mutant in POOLED_MUTANTS),
             lambda c: BREAKS[mutant] in violations(mutated(c, mutant)),
             # derandomized: the same search every run (a random one took 2-26 s for one mutant in CI)
             settings=settings(max_examples=max_examples, database=None, deadline=None, derandomize=True,

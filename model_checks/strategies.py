@@ -50,11 +50,11 @@ class Case:
 @st.composite
 def cases(
     draw: st.DrawFn, modes: tuple[str, ...] = ("join", "non-join"), max_n: int = 5000, need_capacity: bool = False,
-    budgets: tuple[str, ...] = BUDGETS,
+    budgets: tuple[str, ...] = BUDGETS, pooled: bool = False,
 ) -> Case:
     """Random W in 1..16, N in 0..max_n (N < W included), token budgets and budget kinds
     (padded, packed), buffers, depths, capacities, modes, policies, schedules and (join mode)
-    shared-tail pools."""
+    shared-tail pools (always, with ``pooled``)."""
     world = draw(st.integers(1, 16))
     n = draw(st.one_of(st.integers(0, world + 1), st.integers(0, max_n)))
     budget = draw(st.sampled_from([1, 7, 64, 1000, 4096, 8192]))
@@ -73,7 +73,7 @@ def cases(
         overflow_policy=draw(st.sampled_from(OVERFLOW_POLICIES)),
         output_capacity=draw(st.integers(1, 16) if need_capacity else st.one_of(st.none(), st.integers(1, 16))),
         regroup_padding=draw(st.sampled_from([None, 0.0, 0.02, 0.1])),
-        shared_tail=draw(st.sampled_from([0.0, 0.0, 0.1, 0.5])) if mode == "join" else 0.0,
+        shared_tail=draw(st.sampled_from([0.1, 0.5] if pooled else [0.0, 0.0, 0.1, 0.5])) if mode == "join" else 0.0,
     )
     schedule = draw(st.sampled_from(SCHEDULES))
     if config.mode == "non-join" and schedule == "empty_rank" and world > 1:

@@ -67,10 +67,12 @@ class ClaimRule:
 
     left: int
     cap: int
+    budget: int = 0
+    """L_max where the packed budget's reserve applies (:func:`~odb_core.tail.tail_claims`), else 0."""
 
     def __call__(self, hs: Sequence[Header]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         counts = tail_claims([h.pending for h in hs], [h.load for h in hs], [h.samples for h in hs], self.left,
-                             self.cap)
+                             self.cap, [h.room for h in hs], self.budget)
         return tuple(counts), tuple(accumulate(counts, initial=0))
 
 
@@ -125,6 +127,8 @@ class EpochDriver:
 
     protocol_cls: type[RankProtocol] = RankProtocol
     """The per-iteration state machine (the seeded bugs of ``model_checks.mutants`` replace it)."""
+    claim_rule_cls: type[ClaimRule] = ClaimRule
+    """The shared tail's claim rule (the seeded bugs of ``model_checks.mutants`` replace it)."""
 
     def __init__(self, config: ODBConfig, rank: int, world: int, epoch: int = 0, *, quota: int | None = None,
                  skip: Sequence[int] = (), first_step: int = 0, skip_idle: bool = False,
@@ -155,6 +159,8 @@ class EpochDriver:
         self.done = self.quota is not None and self.quota.reached
         self.pool: tuple[int, ...] = ()  # the shared tail's views (identities), in sampler order
         self.pool_cursor = 0  # pool views claimed so far (by every rank)
+        packed_holds = config.budget == "packed" and config.regroup_fraction is not None
+        self._fill_budget = config.token_budget if packed_holds else 0  # the claims' reserve (odb_core.tail)
         self._claim: tuple[int, int] = (0, 0)  # this round's own claim: (first pool index, count)
         self._pool_base = 0  # the sampler position of pool view 0 (after this rank's own views)
         self._pool_origin = 0  # the pool's cursor when the iteration began (a resumed pooled epoch's)
@@ -321,7 +327,8 @@ class EpochDriver:
     def _plan_claims(self, proto: RankProtocol) -> None:
         """The shared tail: every rank's claims from the gathered headers (the same on every rank,
         P8), this rank's kept for after the round's emission."""
-        counts, before = proto.headers.derived(ClaimRule(len(self.pool) - self.pool_cursor, self.config.buffer_size))
+        rule = self.claim_rule_cls(len(self.pool) - self.pool_cursor, self.config.buffer_size, self._fill_budget)
+        counts, before = proto.headers.derived(rule)
         self._claim = (self.pool_cursor + before[self.rank], counts[self.rank])
         self.pool_cursor += before[-1]
 
@@ -440,7 +447,7 @@ class EpochDriver:
         quota = self.quota or QuotaTracker(0)
         self.trace.append({
             "ev": "gather", "round": proto.round - (0 if ended else 1), "status": status.name.lower(),
-            "grouping": proto.grouping if status is Status.READY else [], "target": target, "ended": ended,
+            "grouping": proto.grouping, "target": target, "ended": ended,
             "out": [list(o) for o in self.last_out], "held": sorted(proto.held),
             "consumed": quota.emitted, "last_step": quota.last_step, "done": self.done,
         })

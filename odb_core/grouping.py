@@ -94,7 +94,8 @@ def group_buffer(lengths: Mapping[int, int], token_budget: int) -> list[list[int
 
 
 def hold_sparse(groups: list[list[int]], lengths: Mapping[int, int], fraction: Fraction,
-                exempt: Set[int], limit: int, area: int | None = None) -> tuple[list[list[int]], list[list[int]]]:
+                exempt: Set[int], limit: int, area: int | None = None,
+                pool: bool = False) -> tuple[list[list[int]], list[list[int]]]:
     """Split a buffer's groups into ``(kept, held)`` (``ODBConfig.regroup_padding``).
 
     A group is holdable if it has >= 2 samples, none of them in ``exempt`` (held at
@@ -108,13 +109,20 @@ def hold_sparse(groups: list[list[int]], lengths: Mapping[int, int], fraction: F
     every group would be held, none is. Both lists keep the walk's order; groups
     must be short to long inside (their last key is the longest), as
     :func:`group_sorted` returns them.
+
+    ``pool``: the rank waits for a shared tail's pool (the packed budget, every view of the rank
+    arrived, the pool open): it keeps its part-full groups open for the pool views it claims
+    (:func:`~odb_core.tail.tail_claims` gives the next to the rank with the most room), so a
+    group of one sample is holdable too, ``exempt`` is ignored (a group may be held again), and
+    every group may be held. The pool is finite and drains, so no group is held forever (P6).
     """
     num, den = fraction.numerator, fraction.denominator
     kept: list[list[int]] = []
     held: list[list[int]] = []
     room = limit  # samples that may still be held; -1 once the prefix has ended
+    least, exempt = (1, frozenset()) if pool else (2, exempt)
     for g in groups:
-        if room >= 2 and len(g) >= 2 and exempt.isdisjoint(g):
+        if room >= least and len(g) >= least and exempt.isdisjoint(g):
             tokens = lengths[g[-1]] * len(g) if area is None else area
             if (tokens - sum(map(lengths.__getitem__, g))) * den > num * tokens:  # holdable
                 if len(g) <= room:
@@ -123,7 +131,7 @@ def hold_sparse(groups: list[list[int]], lengths: Mapping[int, int], fraction: F
                     continue
                 room = -1  # the first holdable group past the cap ends the prefix
         kept.append(g)
-    return (kept, held) if kept else (held, [])
+    return (kept, held) if kept or pool else (held, [])
 
 
 def over_budget(lengths: Sequence[int], token_budget: int) -> int:

@@ -211,7 +211,8 @@ class RankProtocol:
     @property
     def grouping(self) -> list[list[int]]:
         """The full grouping of the buffer (B(l) walk or packing) by the last ``begin_round``: the
-        candidates plus the groups held back to regroup, in walk order; empty if not ready."""
+        candidates plus the groups held back to regroup, in walk order; empty if the rank did not group
+        (a rank holding every group for the pool reports WAITING but grouped)."""
         return [list(g) for g in self._grouping]
 
     @property
@@ -323,9 +324,16 @@ class RankProtocol:
         else:
             status, self._groups = Status.WAITING, []
         self._grouping, self._holding = self._groups, []
+        room = 0
         if status is Status.READY and not drained and self._regroup is not None:
+            pool = self._hold_area is not None and self._pool_dry()
             self._groups, self._holding = hold_sparse(self._groups, self._length, self._regroup, self._held,
-                                                      limit=self.config.outstanding_depth, area=self._hold_area)
+                                                      limit=self.config.outstanding_depth, area=self._hold_area,
+                                                      pool=pool)
+            if pool:
+                room = self._room(self._holding)
+                if not self._groups:  # every group waits for the pool's views
+                    status = Status.WAITING
         self._candidates = self._groups  # replaced, never mutated, by the round; copied on read
         self._header = Header(
             iteration=self.iteration,
@@ -337,6 +345,7 @@ class RankProtocol:
             tokens=self._buffer_tokens if nbuf else 0,
             pending=len(self.views) - self._next + len(self._inflight) if self._header_len != HEADER_LEN else 0,
             load=sum(self._length.values()) if nbuf and self._header_len != HEADER_LEN else 0,
+            room=room,
         )
         self.phase = Phase.HEADER_SENT
         return self._header.encode(self._header_len)
@@ -468,8 +477,15 @@ class RankProtocol:
     def _pool_dry(self) -> bool:
         """A shared tail's pool is open and every view of this rank has arrived: it groups what it
         has (a partial buffer is ready, an empty one IDLE) rather than wait for claims, so its
-        samples wait no longer than without a pool."""
+        samples wait no longer than without a pool; under the packed budget with regroup its
+        part-full groups stay open for the pool's reserve (``hold_sparse`` with ``pool``)."""
         return not self.ended and self._stream is None and self._next == len(self.views) and not self._inflight
+
+    def _room(self, held: list[list[int]]) -> int:
+        """The most budget a held group leaves unused (the packed budget; 0 if none is held): the
+        header's ``room``, which directs the pool's next view to this rank (:mod:`odb_core.tail`)."""
+        assert self._hold_area is not None
+        return max((self._hold_area - sum(map(self._length.__getitem__, g)) for g in held), default=0)
 
     def _reports_finished(self, drained: bool) -> bool:
         """The header says FINISHED: R, Q and B are empty (P4 rests on this)."""

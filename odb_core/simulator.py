@@ -136,7 +136,7 @@ def simulate(
     in non-join mode, chained iterations until the global count reaches N = len(lengths) (P5).
 
     ``tokens`` are per-sample loss tokens (default: the lengths). ``max_rounds``
-    bounds each logical iteration (default 4 x (largest shard + D) + 8, above the
+    bounds each logical iteration (default 4 x (largest shard + pool views left + D) + 8, above the
     P6 bound); exceeding it raises :class:`ProtocolStateError`. ``observer`` is
     called with every rank's state machine after each round (tests check P1/P2
     there); ``tracer`` after every state change, labelled like the spec's actions
@@ -171,7 +171,8 @@ def simulate(
     trace("Init")
     while not drivers[0].done:
         ps = protos()
-        limit = max_rounds or 4 * (max(len(p.views) for p in ps) + config.outstanding_depth) + 8
+        pool = len(drivers[0].pool) - drivers[0].pool_cursor  # the packed reserve deals one view a round
+        limit = max_rounds or 4 * (max(len(p.views) for p in ps) + pool + config.outstanding_depth) + 8
         _run_iteration(drivers, lengths, toks, schedule, rng, result, limit, observer, trace)
         if drivers[0].pool:  # a shared tail: each rank's views are its shard and its claims
             result.shards[-1] = [list(p.views) for p in ps]

@@ -17,6 +17,19 @@ The rule, in integers (so every rank computes it bit for bit):
   min(cap, floor((h - w_r) / L)) views (0 if h <= w_r); if that gives nobody a view while
   some rank has nothing pending, the least-loaded such rank (lowest rank on ties) takes one,
   so the pool always drains.
+
+The packed budget (with ``regroup_padding``) keeps a reserve for last and fills part-full
+groups with it: a rank whose views have all arrived holds its part-full groups open while the
+pool is open (:func:`~odb_core.grouping.hold_sparse` with ``pool``) and reports the most room
+one leaves unused (the header's ``room``). The reserve is about one budget's worth of views per
+rank, reserve = floor(W x L_max x S / L) views (W x L_max over the mean length); the rule above
+deals only the pool beyond it. Once at most the reserve is left, one view goes per round: to
+the rank with nothing pending and the most room (lowest rank on ties), or, if none has room,
+to the least-loaded rank with nothing pending. That view's length is known when the next
+round's rooms are, so each part-full group is filled by best fit before a new one opens.
+On the chat data at W=8 (L_max 8,192, buffer 1,024, pool 2%): 438 batches on seeds 0-4, the
+offline first-fit-decreasing optimum 437; the work rule alone leaves about one part-full group
+per rank (440-442; ``benchmarks/bench_tail_fill.py``).
 """
 
 from __future__ import annotations
@@ -27,11 +40,45 @@ from dataclasses import dataclass
 from odb_core.errors import ResumeStateError
 
 
-def tail_claims(pending: Sequence[int], load: Sequence[int], samples: Sequence[int], left: int, cap: int) -> list[int]:
+def tail_claims(pending: Sequence[int], load: Sequence[int], samples: Sequence[int], left: int, cap: int,
+                room: Sequence[int] = (), budget: int = 0) -> list[int]:
     """How many pool views each rank claims this round (see the module); they sum to at most
-    ``left`` and only ranks with ``pending`` 0 claim."""
+    ``left`` and only ranks with ``pending`` 0 claim. ``budget``: L_max if the packed budget's
+    reserve applies (the packed budget with ``regroup_padding``), else 0; ``room``: each rank's
+    header room (empty: all 0)."""
     if left <= 0 or cap <= 0:
         return [0] * len(pending)
+    reserve = reserve_views(load, samples, left, budget)
+    if reserve and left <= reserve:
+        return _fill_claim(pending, load, room)
+    return _work_claims(pending, load, samples, left - reserve, cap)
+
+
+def reserve_views(load: Sequence[int], samples: Sequence[int], left: int, budget: int) -> int:
+    """The packed budget's reserve: floor(W x ``budget`` x S / L) pool views (W ranks, L and S the
+    gathered loads and buffered samples), all ``left`` while L = 0; 0 where ``budget`` is 0."""
+    if not budget:
+        return 0
+    total_load = sum(load)
+    return len(load) * budget * sum(samples) // total_load if total_load else left
+
+
+def _fill_claim(pending: Sequence[int], load: Sequence[int], room: Sequence[int]) -> list[int]:
+    """The reserve's claim: one view, to the rank with nothing pending and the most room (lowest
+    rank on ties), else to the least-loaded rank with nothing pending; none if every rank has
+    views pending."""
+    claims = [0] * len(pending)
+    free = [r for r, p in enumerate(pending) if p == 0]
+    if free:
+        roomy = [r for r in free if r < len(room) and room[r] > 0]
+        pick = max(roomy, key=lambda r: (room[r], -r)) if roomy else min(free, key=lambda r: (load[r], r))
+        claims[pick] = 1
+    return claims
+
+
+def _work_claims(pending: Sequence[int], load: Sequence[int], samples: Sequence[int], left: int,
+                 cap: int) -> list[int]:
+    """The work rule (see the module): levels the ranks' remaining work with ``left`` views."""
     total_load, total_samples = sum(load), sum(samples)
     mean_num, mean_den = (total_load, total_samples) if total_samples and total_load else (1, 1)
     work = [ld * mean_den + p * mean_num for ld, p in zip(load, pending)]

@@ -36,9 +36,11 @@ from typing import Any, NamedTuple, TypeVar, overload
 from odb_core.errors import PeerInconsistencyError, WireFormatError
 
 HEADER_LEN = 7
-TAIL_HEADER_LEN = 9
+TAIL_HEADER_LEN = 10
 """A header under ``shared_tail`` > 0: the seven fields, then ``pending`` (views fetched or to
-fetch, not arrived) and ``load`` (the sum of the buffer's lengths), for the pool's claims."""
+fetch, not arrived), ``load`` (the sum of the buffer's lengths) and ``room`` (the packed budget
+a held group leaves unused, the most over the rank's held groups while it waits for the pool;
+0 otherwise), for the pool's claims."""
 INT64_BYTES = 8
 INT64_MAX = 2**63 - 1
 
@@ -68,11 +70,12 @@ class Header(NamedTuple):
     tokens: int
     pending: int = 0
     load: int = 0
+    room: int = 0
 
     def encode(self, length: int = HEADER_LEN) -> list[int]:
-        """The int64 vector for the header gather (``TAIL_HEADER_LEN``: with pending and load)."""
+        """The int64 vector for the header gather (``TAIL_HEADER_LEN``: with pending, load and room)."""
         head = [self.iteration, self.round, int(self.status), self.groups, self.capacity, self.samples, self.tokens]
-        return head if length == HEADER_LEN else [*head, self.pending, self.load]
+        return head if length == HEADER_LEN else [*head, self.pending, self.load, self.room]
 
 
 def _check_ints(vector: Sequence[int], what: str, length: int) -> list[int]:
@@ -91,20 +94,23 @@ def decode_header(vector: Sequence[int], rank: int, length: int = HEADER_LEN) ->
     self-contradicting."""
     values = _check_ints(vector, f"rank {rank} header", length)
     it, rnd, status_code, groups, capacity, samples, tokens = values[:HEADER_LEN]
-    pending, load = values[HEADER_LEN:] or (0, 0)
+    pending, load, room = values[HEADER_LEN:] or (0, 0, 0)
     status = _STATUS.get(status_code)
     if status is None:
         raise WireFormatError(f"rank {rank} header: unknown status {status_code}")
-    if status in (Status.FINISHED, Status.IDLE) and (groups or samples or tokens or pending or load):
+    if status in (Status.FINISHED, Status.IDLE) and (groups or samples or tokens or pending or load or room):
         raise PeerInconsistencyError(
             f"rank {rank} reports {status.name.lower()} while holding {samples} samples in {groups} groups "
             f"({pending} pending)"
         )
+    if room and (pending or not samples):
+        raise PeerInconsistencyError(f"rank {rank} reports {room} room in held groups with {samples} samples "
+                                     f"and {pending} pending (room is reported only with every view arrived)")
     if status is Status.WAITING and groups:
         raise PeerInconsistencyError(f"rank {rank} reports waiting with {groups} groups")
     if status is Status.READY and not 1 <= groups <= samples:
         raise PeerInconsistencyError(f"rank {rank} reports ready with {groups} groups over {samples} samples")
-    return Header(it, rnd, status, groups, capacity, samples, tokens, pending, load)
+    return Header(it, rnd, status, groups, capacity, samples, tokens, pending, load, room)
 
 
 def decode_headers(vectors: Sequence[Sequence[int]], world: int, iteration: int, rnd: int,

@@ -219,10 +219,11 @@ def run(samples: int = 100_000, budgets: Sequence[int] = (8192, 16384), worlds: 
     """Every row of the benchmark; ``progress``: a bar on stderr (when it is a terminal);
     ``budget_kinds``: the padded rows (:func:`rows_for`), the packed rows
     (:func:`odb_tools.bench_packed.packed_rows`, ``budget_kind`` "packed"), or both."""
-    from odb_tools.bench_packed import packed_rows
+    from odb_tools.bench_packed import ODB_PACKED, packed_rows
 
     rows: list[dict[str, Any]] = []
-    per_budget = (2 + len(worlds)) * ("padded" in budget_kinds) + (1 + 2 * len(worlds)) * ("packed" in budget_kinds)
+    packed_stages = 1 + len(ODB_PACKED) * len(worlds)
+    per_budget = (2 + len(worlds)) * ("padded" in budget_kinds) + packed_stages * ("packed" in budget_kinds)
     with bar(len(distributions) * len(budgets) * per_budget, "bench batching", "stages", progress) as b:
         for name in distributions:
             b.set_description_str(name)

@@ -5,6 +5,8 @@ For one distribution and token budget L_max:
 * ``odb packed``: the real protocol (:func:`odb_core.simulate`, ``budget="packed"``,
   in-order delivery, the given buffer, regroup at its default) at each world size W;
   ``odb packed (target min)``: the same with ``target_policy="min"``;
+  ``odb packed (target min, pool 2%)``: the same with ``shared_tail=0.02``, whose reserve
+  fills the ranks' part-full groups at the epoch's end (:mod:`odb_core.tail`);
 * ``ffd oracle (offline)``: first-fit decreasing over every length at once (the oracle
   that sees the whole length cache in advance), a sample longer than L_max alone;
 * ``ffd per rank (offline, each rank's shard)``: first-fit decreasing over each rank's
@@ -131,13 +133,15 @@ def trl_bfd(lengths: Sequence[int], budget: int, batch_size: int | None = 1000) 
 
 
 #: the ODB rows: (batcher label, target policy)
-ODB_PACKED: tuple[tuple[str, TargetPolicyName], ...] = (("odb packed", "balanced"), ("odb packed (target min)", "min"))
+ODB_PACKED: tuple[tuple[str, TargetPolicyName, float], ...] = (
+    ("odb packed", "balanced", 0.0), ("odb packed (target min)", "min", 0.0),
+    ("odb packed (target min, pool 2%)", "min", 0.02))
 
 
 def packed_rows(name: str, lengths: list[int], budget: int, worlds: Sequence[int], buffer_size: int,
                 seed: int = 0, tick: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
     """The packed rows for one distribution and budget (see the module); ``tick(stage)``
-    after each of its ``1 + 2 * len(worlds)`` stages."""
+    after each of its ``1 + len(ODB_PACKED) * len(worlds)`` stages."""
     rows: list[dict[str, Any]] = []
 
     def row(batcher: str, world: int, eff: float, batches: int, updates: int, overhead: float | None,
@@ -163,10 +167,10 @@ def packed_rows(name: str, lengths: list[int], budget: int, worlds: Sequence[int
         row(RANK_ORACLE, world, efficiency([b for bs in per_rank for b in bs], budget), sum(counts), max(counts),
             max(counts) * world / sum(counts) - 1 if sum(counts) else 0.0, sum(len(b) for bs in per_rank for b in bs))
     tick("offline packing")
-    for label, policy in ODB_PACKED:
+    for label, policy, tail in ODB_PACKED:
         for world in worlds:
             config = ODBConfig(token_budget=budget, budget="packed", buffer_size=buffer_size, seed=seed,
-                               target_policy=policy)
+                               target_policy=policy, shared_tail=tail)
             a = audit(simulate(lengths, world, config, "in_order"))
             row(label, world, a.budget_fill, sum(a.steps_per_rank) - sum(a.idle_steps_per_rank),
                 a.steps_per_rank[0], a.alignment_overhead, a.unique_identities,

@@ -78,4 +78,12 @@ MutFitsOverfill(loads, s) == {i \in DOMAIN loads : loads[i] < Budget}
 \* M8: a stream's end mapped one position early (odb_core: EndsOneEarlyDriver): the fetch that
 \* reveals the end leaves the stream's last view out of Q, so it is never emitted.
 MutStreamEndEarly(r, last) == next[r]..(IF last > NV[r] THEN NV[r] - 1 ELSE last)
+\* F1: the packed budget's reserve deals its view only to a rank with room: once no rank with
+\* nothing pending has a part-full group, the pool is never claimed again (breaks Termination).
+MutFillNoFallback(rm) ==
+    IF \E r \in Ranks : Pend(r) = 0 /\ rm[r] > 0 THEN FillClaim(rm) ELSE [r \in Ranks |-> 0]
+\* Two ranks whose single samples fill the budget exactly (nothing is held back) and a pool.
+NV_2f == <<1, 1>>
+Len_2f == <<<<10>>, <<10>>>>
+Pool_2f == <<5, 5>>
 =============================================================================

@@ -185,12 +185,26 @@ Admissible(r, gs) ==
 SumLen(r, g) == SumSeq([k \in DOMAIN g |-> LenOf(r, g[k])])
 Area(r, g) == IF BudgetKind = "packed" THEN Budget ELSE MaxLen(r, g) * Len(g)
 Sparse(r, g) == LET area == Area(r, g) IN (area - SumLen(r, g)) * RegroupDen > RegroupNum * area
-Holdable(r, g) == RegroupDen > 0 /\ ~Drained(r) /\ Len(g) >= 2 /\ Range(g) \cap H[r] = {} /\ Sparse(r, g)
+(* The packed budget's pool hold (grouping.hold_sparse with pool): while *)
+(* the pool is open and every view of the rank has arrived (PoolDry), it   *)
+(* keeps its part-full groups open for the pool views it claims: a group   *)
+(* of one sample is holdable too, H does not exempt (a group is held      *)
+(* again), and every group may be held; the rank then waits (HeldStatus). *)
+(* The pool drains (Claims), so no group is held for ever.                 *)
+PoolHold(r) == BudgetKind = "packed" /\ RegroupDen > 0 /\ PoolDry(r)
+Holdable(r, g) == RegroupDen > 0 /\ ~Drained(r) /\ Sparse(r, g)
+                  /\ IF PoolHold(r) THEN Len(g) >= 1 ELSE Len(g) >= 2 /\ Range(g) \cap H[r] = {}
 \* the holdable groups in walk order, cut at cumulative size Depth (a prefix: sizes are positive)
 CapHeld(gs, hd) == {i \in hd : SumSeq([k \in 1..i |-> IF k \in hd THEN Len(gs[k]) ELSE 0]) <= Depth}
 HoldIdx(r, gs) ==
-    CHOOSE h \in {IF c = DOMAIN gs THEN {} ELSE c
+    CHOOSE h \in {IF c = DOMAIN gs /\ ~PoolHold(r) THEN {} ELSE c
                   : c \in {CapHeld(gs, hd) : hd \in {{i \in DOMAIN gs : Holdable(r, gs[i])}}}} : TRUE
+\* the statuses the header reports: a ready rank holding every group (a pool hold) waits
+HeldStatus(st, gs, hs) ==
+    [r \in Ranks |-> IF st[r] = "ready" /\ gs[r] # <<>> /\ hs[r] = DOMAIN gs[r] THEN "waiting" ELSE st[r]]
+\* the header's room: the budget a held group leaves unused, the most over a pool-holding rank's
+RoomOf(gs, hs) ==
+    [r \in Ranks |-> IF PoolHold(r) /\ hs[r] # {} THEN Max({Budget - SumLen(r, gs[r][i]) : i \in hs[r]}) ELSE 0]
 Pick(gs, idx) == LET ks == SelectSeq([i \in 1..Len(gs) |-> i], LAMBDA i : i \in idx) IN [k \in 1..Len(ks) |-> gs[ks[k]]]
 \* the held indices still held once a rank with fewer than T kept groups took back what it needs
 StillHeld(gs, h, T) ==
@@ -288,6 +302,12 @@ RecordedOrder(al, T) == IF IsOrderOf(lastOut', al) THEN {lastOut'} ELSE {}
 (* pending takes min(ClaimCap, (h - W(r)) \div TotL, what is left); if   *)
 (* nobody takes any while a rank has nothing pending, the least-loaded    *)
 (* such rank (lowest rank on ties) takes one.                             *)
+(* The packed budget with regroup keeps a reserve of floor(W x Budget x   *)
+(* TotS / TotL) views (all of the pool while TotL = 0) and deals only the *)
+(* pool beyond it as above; once at most the reserve is left, one view a   *)
+(* gather goes to the rank with nothing pending and the most room (rm,     *)
+(* RoomOf; lowest rank on ties), else to the least-loaded such rank        *)
+(* (lowest rank on ties).                                                  *)
 Ld(r) == SumSeq([k \in DOMAIN B[r] |-> LenOf(r, B[r][k])])
 TotL == SumSeq([r \in Ranks |-> Ld(r)])
 TotS == SumSeq([r \in Ranks |-> Len(B[r])])
@@ -303,7 +323,7 @@ LevelIn(w, lo, hi, p) ==
     IF lo >= hi THEN lo
     ELSE CHOOSE v \in {IF Fill(w, mid) >= p THEN LevelIn(w, lo, mid, p) ELSE LevelIn(w, mid + 1, hi, p)
                        : mid \in {(lo + hi) \div 2}} : TRUE
-Level(w, m) == LevelIn(w, Min({w[r] : r \in Ranks}), Max({w[r] : r \in Ranks}) + PoolLeft * m, PoolLeft * m)
+Level(w, m, n) == LevelIn(w, Min({w[r] : r \in Ranks}), Max({w[r] : r \in Ranks}) + n * m, n * m)
 RECURSIVE DealClaims(_, _, _, _, _)
 \* the counts of ranks r..W given `room` views left, level h, works w and mean numerator m
 DealClaims(r, room, h, w, m) ==
@@ -312,15 +332,24 @@ DealClaims(r, room, h, w, m) ==
                        : c \in {IF Pend(r) = 0 /\ room > 0 /\ h > w[r] THEN Min({ClaimCap, (h - w[r]) \div m, room})
                                 ELSE 0}} : TRUE
 \* (values bound with CHOOSE x \in {e} : TRUE, evaluated once: see the B(l) walk's note)
-ClaimsFor(w, m) ==
+ClaimsFor(w, m, n) ==
     CHOOSE c \in {IF SumSeq(d) > 0 \/ free = {} THEN d
                   ELSE [r \in Ranks |-> IF r = (CHOOSE x \in free : \A y \in free : w[x] < w[y] \/ (w[x] = w[y] /\ x <= y))
                                         THEN 1 ELSE 0]
-                  : d \in {DealClaims(1, PoolLeft, h, w, m) : h \in {Level(w, m)}},
+                  : d \in {DealClaims(1, n, h, w, m) : h \in {Level(w, m, n)}},
                     free \in {{r \in Ranks : Pend(r) = 0}}} : TRUE
-Claims == IF pc < Len(Pool)
-          THEN CHOOSE c \in {ClaimsFor(w, MeanNum) : w \in {[r \in Ranks |-> Work(r)]}} : TRUE
-          ELSE [r \in Ranks |-> 0]
+FillOn == BudgetKind = "packed" /\ RegroupDen > 0
+Reserve == IF ~FillOn THEN 0 ELSE IF TotL > 0 THEN (W * Budget * TotS) \div TotL ELSE PoolLeft
+FillClaim(rm) ==
+    IF \A r \in Ranks : Pend(r) > 0 THEN [r \in Ranks |-> 0]
+    ELSE CHOOSE c \in {[r \in Ranks |-> IF r = x THEN 1 ELSE 0]
+                       : x \in {IF \E y \in free : rm[y] > 0
+                               THEN CHOOSE y \in free : \A z \in free : rm[y] > rm[z] \/ (rm[y] = rm[z] /\ y <= z)
+                               ELSE CHOOSE y \in free : \A z \in free : Ld(y) < Ld(z) \/ (Ld(y) = Ld(z) /\ y <= z)
+                               : free \in {{r \in Ranks : Pend(r) = 0}}}} : TRUE
+Claims(rm) == IF pc = Len(Pool) THEN [r \in Ranks |-> 0]
+              ELSE IF FillOn /\ PoolLeft <= Reserve THEN FillClaim(rm)
+              ELSE CHOOSE c \in {ClaimsFor(w, MeanNum, PoolLeft - Reserve) : w \in {[r \in Ranks |-> Work(r)]}} : TRUE
 \* claimed' and pc' for the counts c (each rank's pool indices follow those of the ranks before it)
 ClaimWith(c) ==
     /\ claimed' = [r \in Ranks |-> claimed[r] \o [i \in 1..c[r] |-> pc + SumSeq(SubSeq(c, 1, r - 1)) + i]]
@@ -414,14 +443,15 @@ Emit(st, gs, hs, T, O(_, _), c) ==
 (* O is the set of emission orders (Orders; RecordedOrder when replaying). *)
 GatherWith(P(_), O(_, _)) ==
     /\ ~done
-    /\ \E st \in {[r \in Ranks |-> Status(r)]} :
-       \E gs \in {[r \in Ranks |-> IF st[r] = "ready" THEN P(r) ELSE <<>>]} :
+    /\ \E st0 \in {[r \in Ranks |-> Status(r)]} :
+       \E gs \in {[r \in Ranks |-> IF st0[r] = "ready" THEN P(r) ELSE <<>>]} :
        \E hs \in {[r \in Ranks |-> HoldIdx(r, gs[r])]} :
+       \E st \in {HeldStatus(st0, gs, hs)} :
        \E T \in {Target(st, [r \in Ranks |-> Len(gs[r]) - Cardinality(hs[r])], [r \in Ranks |-> Len(B[r])])} :
           IF IF JoinMode THEN \A r \in Ranks : st[r] = "finished"
              ELSE \E r \in Ranks : st[r] = "finished"
           THEN EndIteration
-          ELSE \E c \in {Claims} :
+          ELSE \E c \in {Claims(RoomOf(gs, hs))} :
                IF T = 0
                THEN /\ lastOut' = [r \in Ranks |-> <<>>]
                     /\ ClaimWith(c)

@@ -13,7 +13,8 @@
 (*                                                                         *)
 (*  QuiescentProgress: in a state that is not done and in which no sample *)
 (*    can move, the gather is not a skip round (it emits, or ends the      *)
-(*    epoch or the logical iteration).                                     *)
+(*    epoch or the logical iteration), or it claims a pool view (a packed  *)
+(*    pool hold waits for claims; pc grows at most Len(Pool) times).       *)
 (*  IterationProgress: a non-join iteration ends only after it emitted (a  *)
 (*    chain that emitted nothing restarts the same iteration, for ever).   *)
 (*                                                                         *)
@@ -45,13 +46,18 @@ CanMove == (\E r \in Ranks : ENABLED Fetch(r)) \/ (\E r \in Ranks : Q[r] # {})
 IterationEnds ==
     IF JoinMode THEN \A r \in Ranks : Status(r) = "finished" ELSE \E r \in Ranks : Status(r) = "finished"
 PlanTarget ==
-    LET st == [r \in Ranks |-> Status(r)]
-        gs == [r \in Ranks |-> IF st[r] = "ready" THEN Packing(r) ELSE <<>>]
+    LET st0 == [r \in Ranks |-> Status(r)]
+        gs == [r \in Ranks |-> IF st0[r] = "ready" THEN Packing(r) ELSE <<>>]
         hs == [r \in Ranks |-> HoldIdx(r, gs[r])]
-    IN Target(st, [r \in Ranks |-> Len(gs[r]) - Cardinality(hs[r])], [r \in Ranks |-> Len(B[r])])
+    IN Target(HeldStatus(st0, gs, hs), [r \in Ranks |-> Len(gs[r]) - Cardinality(hs[r])], [r \in Ranks |-> Len(B[r])])
 WouldSkip == ~IterationEnds /\ PlanTarget = 0
+\* the gather claims a pool view (pc grows: at most Len(Pool) times, so not a livelock)
+PlanClaims ==
+    LET gs == [r \in Ranks |-> IF Status(r) = "ready" THEN Packing(r) ELSE <<>>]
+        hs == [r \in Ranks |-> HoldIdx(r, gs[r])]
+    IN SumSeq(Claims(RoomOf(gs, hs))) > 0
 
-QuiescentProgress == (~done /\ ~CanMove) => ~WouldSkip
+QuiescentProgress == (~done /\ ~CanMove) => ~WouldSkip \/ PlanClaims
 
 IterationProgress ==
     (~JoinMode /\ ~done /\ \E r \in Ranks : Status(r) = "finished") => rounds > 0

@@ -37,9 +37,10 @@ One(b) == IF b THEN 1 ELSE 0
 \* Which branches the gather from this state to the next takes (lastOut', B', H' are
 \* the gather's). The plan (statuses, packing, holds, target) is ODB's GatherWith's.
 GatherCov ==
-    \E st \in {[r \in Ranks |-> Status(r)]} :
-    \E gs \in {[r \in Ranks |-> IF st[r] = "ready" THEN Packing(r) ELSE <<>>]} :
+    \E st0 \in {[r \in Ranks |-> Status(r)]} :
+    \E gs \in {[r \in Ranks |-> IF st0[r] = "ready" THEN Packing(r) ELSE <<>>]} :
     \E hs \in {[r \in Ranks |-> HoldIdx(r, gs[r])]} :
+    \E st \in {HeldStatus(st0, gs, hs)} :
     \E ends \in {IF JoinMode THEN \A r \in Ranks : st[r] = "finished" ELSE \E r \in Ranks : st[r] = "finished"} :
     \E emit \in {~ends /\ rounds' = rounds + 1} :
     \E ready \in {{r \in Ranks : st[r] = "ready"}} :

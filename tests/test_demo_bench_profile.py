@@ -67,7 +67,8 @@ def test_bench_batching_json_rows():
     odb8 = next(r for r in rows if r["batcher"] == "odb" and r["world"] == 8)
     assert 0 <= odb8["alignment_overhead"] < 0.2 and odb8["padding_fraction"] < 0.05
     packed = {(r["batcher"], r["world"]): r for r in packed_rows}
-    assert {b for b, _ in packed} == {"odb packed", "odb packed (target min)", "ffd oracle (offline)",
+    assert {b for b, _ in packed} == {"odb packed", "odb packed (target min)", "odb packed (target min, pool 2%)",
+                                      "ffd oracle (offline)",
                                       "ffd per rank (offline, each rank's shard)",
                                       "trl pack_dataset bfd (offline, map batches of 1000)",
                                       "trl pack_dataset bfd (offline, one batch)"}
@@ -82,7 +83,7 @@ def test_bench_batching_json_rows():
             "each rank packs its own shard: its largest count times W covers every batch"
         assert per_rank["alignment_overhead"] == pytest.approx(per_rank["updates"] * world / per_rank["batches"] - 1)
     for world, label in ((2, "odb packed"), (8, "odb packed"), (2, "odb packed (target min)"),
-                         (8, "odb packed (target min)")):
+                         (8, "odb packed (target min)"), (8, "odb packed (target min, pool 2%)")):
         odb = packed[label, world]
         assert odb["coverage_exact"] and 0 <= odb["alignment_overhead"] < 0.2
         assert odb["over_budget_singletons"] == packed["trl pack_dataset bfd (offline, one batch)", world][

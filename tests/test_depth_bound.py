@@ -94,8 +94,8 @@ def test_the_bound_needs_the_hold_cap(monkeypatch: pytest.MonkeyPatch) -> None:
     import odb_core.protocol as protocol
     from odb_core.grouping import hold_sparse
 
-    monkeypatch.setattr(protocol, "hold_sparse", lambda g, lengths, f, exempt, limit, area=None: hold_sparse(
-        g, lengths, f, exempt, limit=1 << 30, area=area))
+    monkeypatch.setattr(protocol, "hold_sparse", lambda g, lengths, f, exempt, limit, area=None, pool=False: hold_sparse(
+        g, lengths, f, exempt, limit=1 << 30, area=area, pool=pool))
     lengths, world, config, schedule = NO_CAP_COUNTEREXAMPLE
     d = config.outstanding_depth
     worst = [0, 0]

@@ -124,6 +124,23 @@ def test_hold_sparse_holds_at_most_limit_samples_a_prefix_in_walk_order():
     assert hold_sparse(groups[:3], lengths, frac, set(), limit=6) == ([[5, 6]], [[0, 1], [2, 3, 4]])
 
 
+def test_a_pool_hold_keeps_every_part_full_group_open_singletons_and_held_ones_too():
+    """The packed budget's pool hold (``pool=True``): every group that leaves more than the
+    fraction of L_max unused is held, a single sample's included, whether held last round or
+    not, and all of them if all are; still at most ``limit`` samples, a prefix."""
+    from fractions import Fraction
+
+    from odb_core.grouping import hold_sparse
+
+    lengths = {0: 3, 1: 4, 2: 9, 3: 10, 4: 2}
+    groups = [[0, 1], [2], [3], [4]]  # L_max 10: 30% unused, 10%, 0 (full), 80%
+    frac = Fraction(1, 50)
+    assert hold_sparse(groups, lengths, frac, {0, 2}, limit=8, area=10, pool=True) == ([[3]], [[0, 1], [2], [4]])
+    assert hold_sparse(groups, lengths, frac, {0, 2}, limit=8, area=10) == (groups, [])  # no pool: exempt, singletons
+    assert hold_sparse([[0, 1], [4]], lengths, frac, set(), limit=8, area=10, pool=True) == ([], [[0, 1], [4]])
+    assert hold_sparse(groups, lengths, frac, set(), limit=2, area=10, pool=True) == ([[2], [3], [4]], [[0, 1]])
+
+
 @pytest.mark.parametrize("lengths", [(x for x in [3, 2]), {3, 2}, "32"], ids=["generator", "set", "str"])
 @pytest.mark.parametrize("fn", ["form_groups", "pack_groups"])
 def test_lengths_that_are_not_a_sequence_are_a_type_error_naming_the_type(fn, lengths):

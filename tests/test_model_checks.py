@@ -129,7 +129,7 @@ def test_state_space_comparison_catches_a_core_that_deals_the_pool_otherwise(mon
     (scenario,) = [s for s in conformance.STATE_SPACE_SCENARIOS if s.name == "join_2_pool"]
     assert conformance.compare_state_spaces(scenario).states_equal
 
-    def first_takes_all(pending, load, samples, left, cap):
+    def first_takes_all(pending, load, samples, left, cap, room=(), budget=0):
         out = [0] * len(pending)
         free = [r for r, p in enumerate(pending) if p == 0]
         if free:
@@ -138,6 +138,16 @@ def test_state_space_comparison_catches_a_core_that_deals_the_pool_otherwise(mon
 
     monkeypatch.setattr(epoch, "tail_claims", first_takes_all)
     result = conformance.compare_state_spaces(scenario)
+    assert not result.states_equal and not result.transitions_included
+
+
+def test_state_space_comparison_catches_a_core_that_fills_the_packed_tail_otherwise():
+    """The packed budget's pool (join_2_pool_packed: 1,127 states, part-full groups held open):
+    the core's holds and reserve claims equal the spec's, and a core whose reserve goes to the
+    rank with the least room instead of the most (mutant fill-least-room) leaves them."""
+    (scenario,) = [s for s in conformance.STATE_SPACE_SCENARIOS if s.name == "join_2_pool_packed"]
+    assert conformance.compare_state_spaces(scenario).states_equal
+    result = conformance.compare_state_spaces(dataclasses.replace(scenario, mutant="fill-least-room"))
     assert not result.states_equal and not result.transitions_included
 
 

@@ -18,13 +18,20 @@ from odb_torch.elastic import global_order
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_a_pooled_epoch_trains_every_view_once_in_lockstep_and_replays_in_tlc(tmp_path):
+PACKED = {"budget": "packed", "target_policy": "min"}
+#: the steps the traced runs must exercise: under the packed budget the pool holds part-full groups
+REQUIRE = {"padded": ("fetch", "drain", "gather", "claim"), "packed": ("fetch", "drain", "gather", "claim", "hold")}
+
+
+@pytest.mark.parametrize("budget", ["padded", "packed"])
+def test_a_pooled_epoch_trains_every_view_once_in_lockstep_and_replays_in_tlc(tmp_path, budget):
     """P2, P3, P4 with a pool on real Gloo ranks, and the run's traces, claims included, are
-    behaviours of the spec (TLC, every invariant). Later epochs cut their own pools: the
+    behaviours of the spec (TLC, every invariant); under the packed budget the pool's reserve
+    fills part-full groups (held open, claimed by room). Later epochs cut their own pools: the
     single-rank resume test below runs two."""
     n, world, tail = 113, 2, 0.3
-    results = run_ranks(world, {"kind": "audit", "n": n, "epochs": 1, "workers": 1, "shared_tail": tail}, tmp_path,
-                        trace=True)
+    task = {"kind": "audit", "n": n, "epochs": 1, "workers": 1, "shared_tail": tail, **(PACKED if budget == "packed" else {})}
+    results = run_ranks(world, task, tmp_path, trace=True)
     for r in results:
         assert "error" not in r, r
     k = int(n * tail)
@@ -41,9 +48,10 @@ def test_a_pooled_epoch_trains_every_view_once_in_lockstep_and_replays_in_tlc(tm
         for s in steps:
             for x in s:
                 if not x["idle"] and x["size"] >= 2:
-                    assert x["longest"] * x["size"] <= 128, "P3: a multi-sample batch exceeds the budget"
+                    cost = sum(map(sample_length, x["ids"])) if budget == "packed" else x["longest"] * x["size"]
+                    assert cost <= 128, "P3: a multi-sample batch exceeds the budget"
                 assert x["over"] == (x["size"] == 1 and not x["idle"] and sample_length(x["ids"][0]) > 128)
-    check_real_traces(tmp_path / "traces", require=("fetch", "drain", "gather", "claim"))
+    check_real_traces(tmp_path / "traces", require=REQUIRE[budget])
 
 
 class _Order(DistributedSampler):  # type: ignore[type-arg]
@@ -59,15 +67,17 @@ def test_a_sampler_whose_global_order_is_unknown_is_refused_with_a_pool(sampler)
     assert (caught.value.field, caught.value.rank) == ("shared_tail", 1)
 
 
-def test_a_pooled_epoch_resumed_mid_epoch_trains_every_view_once_and_replays_in_tlc(tmp_path):
+@pytest.mark.parametrize("budget", ["padded", "packed"])
+def test_a_pooled_epoch_resumed_mid_epoch_trains_every_view_once_and_replays_in_tlc(tmp_path, budget):
     """P4 across the resume, with a pool: W=2 real ranks stop at the first step after the last claim,
     each saves its own state_dict (the pool's cursor and its claims), and new loaders resume
     it: the claimed views not yet yielded are served by their claimers, the pool goes on from
     its cursor, every view of the epoch is yielded once, in lockstep (P2); both runs' traces
     are spec behaviours (TLC, every invariant)."""
     n, world, tail = 101, 2, 0.3
-    results = run_ranks(world, {"kind": "resume", "n": n, "stop_after": "pool", "buffer": 8, "shared_tail": tail},
-                        tmp_path, trace=True)
+    task = {"kind": "resume", "n": n, "stop_after": "pool", "buffer": 8, "shared_tail": tail,
+            **(PACKED if budget == "packed" else {})}
+    results = run_ranks(world, task, tmp_path, trace=True)
     for r in results:
         assert "error" not in r, r
     states = [r["state"] for r in results]
@@ -81,7 +91,7 @@ def test_a_pooled_epoch_resumed_mid_epoch_trains_every_view_once_and_replays_in_
     k = int(n * tail)
     assert set(ids) == set(range(n)), "P4: a dataset index was never yielded"
     assert len(ids) == k + world * math.ceil((n - k) / world), "P4: views lost or repeated across the resume"
-    check_real_traces(tmp_path / "traces", require=("fetch", "drain", "gather", "claim"))
+    check_real_traces(tmp_path / "traces", require=REQUIRE[budget])
 
 
 def test_a_pooled_mid_epoch_state_resumes_only_where_its_positions_mean_the_same():

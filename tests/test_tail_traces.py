@@ -1,6 +1,6 @@
 """Trace validation of the shared tail (``ODBConfig.shared_tail``): pooled runs' event logs
 merge into spec traces (the claims applied by the gather that makes them, spec ``ClaimWith``),
-TLC replays them against spec/TraceCheck.tla with every invariant, and two seeded claim bugs
+TLC replays them against spec/TraceCheck.tla with every invariant, and three seeded claim bugs
 are rejected at the gather that breaks them."""
 
 from __future__ import annotations
@@ -101,8 +101,13 @@ def test_tlc_replays_pooled_runs_and_rejects_claim_bugs():
     assert all(t.states[-1][IX["pc"]] == len(t.scenario.pool) > 0 for t in clean)
     double, double_at = _mutant_run("double-deal")
     dropped, dropped_at = _mutant_run("drop-last-claim")
-    verdicts = traces.replay([*clean, double, dropped])
-    assert all(v.accepted for v in verdicts[:-2]), [v.describe() for v in verdicts if not v.accepted]
+    least, least_at = _mutant_run("fill-least-room")
+    verdicts = traces.replay([*clean, least, double, dropped])
+    assert all(v.accepted for v in verdicts[:-3]), [v.describe() for v in verdicts if not v.accepted]
+    # the packed reserve's view dealt to the rank with the least room: every view is still dealt
+    # once, but the gather's claims are not the spec's (Claims), so no spec step matches it
+    v = verdicts[-3]
+    assert not v.accepted and v.reasons == ("Step",) and v.state == least_at, v.describe()
     # a pool view dealt twice: the gather deals other views (no ODB step), and PoolOnce breaks
     v = verdicts[-2]
     assert not v.accepted and {"Step", "PoolOnce"} <= set(v.reasons) and v.state == double_at, v.describe()

@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from odb_core import Header, ODBConfig, PeerInconsistencyError, RankProtocol, Status, WireFormatError
-from odb_core.wire import HEADER_LEN, decode_header, decode_steps, payload_bytes
+from odb_core.wire import HEADER_LEN, TAIL_HEADER_LEN, decode_header, decode_steps, payload_bytes
 
 ints = st.integers(0, 2**40)
 
@@ -45,6 +45,22 @@ def test_header_round_trips(header):
 def test_malformed_or_inconsistent_header_raises(vector, error, needle):
     with pytest.raises(error, match=needle):
         decode_header(vector, 3)
+
+
+@pytest.mark.parametrize(
+    ("vector", "needle"),
+    [
+        ([0, 0, 0, 0, 0, 5, 9, 2, 40, 300], "300 room in held groups with 5 samples and 2 pending"),
+        ([0, 0, 0, 0, 0, 0, 0, 0, 0, 300], "300 room in held groups with 0 samples"),
+        ([0, 0, 3, 0, 0, 0, 0, 0, 0, 300], "idle while holding"),
+    ],
+)
+def test_a_tail_header_with_room_it_cannot_have_raises(vector, needle):
+    """The packed pool's ``room`` comes only from held groups of a rank whose views have all
+    arrived: room with views pending, with no samples, or from an idle rank is a peer's bug."""
+    with pytest.raises(PeerInconsistencyError, match=needle):
+        decode_header(vector, 3, TAIL_HEADER_LEN)
+    assert decode_header([0, 0, 0, 0, 0, 5, 9, 0, 40, 300], 3, TAIL_HEADER_LEN).room == 300
 
 
 def ready(samples=4, groups=2):

@@ -113,6 +113,7 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
 
             loader_cls = type("MutantLoader", (ODBDataLoader,), {"driver_cls": driver(task["driver"])})
         loader = loader_cls(dataset, token_budget=128, collate_fn=collate, buffer_size=task.get("buffer", 16),
+                               budget=task.get("budget", "padded"),
                                num_workers=task.get("workers", 0), seed=task.get("seed", 0),
                                init_method=f"tcp://127.0.0.1:{port + 1}", timeout=task.get("timeout", 60),
                                start_method=task.get("start_method", "auto"), mode=task.get("mode", "join"),
@@ -156,6 +157,7 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
                 state = json.loads(json.dumps(loader.state_dict()))  # as a checkpoint would store it
                 loader.close()
                 loader = loader_cls(dataset, token_budget=128, collate_fn=collate, buffer_size=task.get("buffer", 16),
+                                       budget=task.get("budget", "padded"),
                                        num_workers=0, init_method=f"tcp://127.0.0.1:{port + 2}", timeout=60,
                                        **({"shared_tail": task["shared_tail"]} if "shared_tail" in task else {}))
                 loader.load_state_dict(state)
