@@ -16,7 +16,7 @@ from itertools import accumulate
 from odb_core.epoch import ClaimRule, EpochDriver
 from odb_core.packing import size_of
 from odb_core.protocol import RankProtocol, Step
-from odb_core.tail import reserve_views
+from odb_core.tail import in_reserve
 from odb_core.wire import Header, Status
 
 
@@ -131,12 +131,11 @@ class DropLastClaimDriver(EpochDriver):
 
 def _in_reserve(rule: ClaimRule, hs: Sequence[Header]) -> bool:
     """The round deals the packed budget's reserve (one view, by room; :mod:`odb_core.tail`)."""
-    loads, samples = [h.load for h in hs], [h.samples for h in hs]
-    reserve = reserve_views(loads, samples, rule.left, rule.budget)
-    return bool(rule.left and reserve and rule.left <= reserve)
+    return in_reserve([h.load for h in hs], [h.samples for h in hs], rule.left, rule.budget)
 
 
 def _counts(counts: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A claim rule's result for these counts: the counts and their prefix sums."""
     return tuple(counts), tuple(accumulate(counts, initial=0))
 
 

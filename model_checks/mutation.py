@@ -15,9 +15,10 @@ from hypothesis.errors import NoSuchExample
 
 from model_checks.mutants import MUTANTS, PACKED_MUTANTS, POOLED_MUTANTS, driver
 from model_checks.strategies import Case, cases
-from odb_core import ODBError, ProtocolStateError, RankProtocol, simulate
+from odb_core import ODBError, RankProtocol, simulate
 from odb_core.budgets import within_budget
 from odb_core.config import BUDGETS
+from odb_core.errors import RoundBoundError
 
 #: the property each mutant breaks, as :func:`violations` names them
 BREAKS = {
@@ -63,8 +64,8 @@ def violations(case: Case) -> set[str]:
     try:
         result = simulate(case.lengths, case.world, case.config, case.schedule, observer=observe,
                           driver_cls=driver(case.mutant))
-    except ProtocolStateError as exc:
-        return found | {"P6" if "without terminating" in str(exc) else "P2"}
+    except RoundBoundError:
+        return found | {"P6"}
     except ODBError:
         return found | {"P2"}
     cfg = case.config

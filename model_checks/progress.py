@@ -84,6 +84,9 @@ BUGS = (
                   why="D < buffer_size: the buffer never fills (a sanity configuration)"),
     ProgressCheck("nonjoin_empty_rank", "sanity_nonjoin_empty_rank", "invariant:IterationProgress",
                   why="non-join with an empty rank: every iteration ends at once, before any emission"),
+    ProgressCheck("fill_no_fallback", "mutant_fill_no_fallback", "invariant:QuiescentProgress",
+                  why="the packed reserve dealt only to a rank with room: ranks whose groups all went out full "
+                      "never claim the pool again"),
     ProgressCheck("deadlock_check_blind", "quick_join_3_uneven", "ok", ("Target <- MutTargetFinishedBlocks",),
                   ODB_INVARIANTS,
                   why="the same stuck protocol without the progress invariants: TLC reports no deadlock"),
@@ -91,7 +94,7 @@ BUGS = (
 
 #: quick configurations checked with the progress invariants in CI (the rest with --deep)
 CI_QUICK = ("quick_join_2x4_regroup", "quick_join_3_empty_rank", "quick_nonjoin_3_uneven_balanced",
-            "quick_nonjoin_2x4_packed")
+            "quick_nonjoin_2x4_packed", "quick_join_2_pool_packed")
 
 
 def quick_checks(names: tuple[str, ...] | None = None) -> tuple[ProgressCheck, ...]:

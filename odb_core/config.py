@@ -76,7 +76,8 @@ class ODBConfig(BaseModel):
         overflow_policy: which groups a rank keeps when it has more than T:
             ``"largest"`` (paper Alg. 1; ties to the oldest) or ``"oldest"``
             (group holding the longest-waiting sample first; bounds waits by D rounds, 2D
-            with regroup on, whose held samples count toward neither the buffer nor D).
+            with regroup on, whose held samples count toward neither the buffer nor D; plus
+            up to 2 rounds per pool view under the packed budget's shared tail).
         output_capacity: output slots a rank can fill in one round (C_r); ``None``
             means unbounded.
         regroup_padding: a rank that is not drained holds back groups of >= 2
@@ -90,7 +91,10 @@ class ODBConfig(BaseModel):
             next emitting round, so a rank holds at most 2D samples in Q and B, at
             most D of them held back (D in all with regroup off), and a rank short
             of T groups emits held groups before it splits any. Nothing is dropped
-            (P1) and a drained rank never holds (P6).
+            (P1) and a drained rank never holds (P6). Under the packed budget with a
+            shared tail, a rank whose views have all arrived holds every part-full group
+            (single samples and groups held last round too) until the pool is dealt
+            (:mod:`odb_core.tail`'s reserve).
             ``None`` turns it off (the paper's behaviour). The default 0.02 brings the
             padding at buffer 1024 and budget 8192 under 1% on the fitted distributions
             with fewer steps; under the packed budget it lifts best-fit packing there from

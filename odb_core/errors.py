@@ -54,6 +54,11 @@ class ProtocolStateError(ODBError, RuntimeError):
     """The caller drove the sans-IO state machine out of order (e.g. two headers in a row)."""
 
 
+class RoundBoundError(ProtocolStateError):
+    """A simulated logical iteration ran past its round bound (``simulate``'s ``max_rounds``):
+    it would not terminate (P6)."""
+
+
 class NonJoinStalledError(ODBError, RuntimeError):
     """Non-join quota chaining cannot make progress: a logical iteration emitted nothing.
 

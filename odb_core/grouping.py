@@ -119,17 +119,17 @@ def hold_sparse(groups: list[list[int]], lengths: Mapping[int, int], fraction: F
     num, den = fraction.numerator, fraction.denominator
     kept: list[list[int]] = []
     held: list[list[int]] = []
-    room = limit  # samples that may still be held; -1 once the prefix has ended
-    least, exempt = (1, frozenset()) if pool else (2, exempt)
+    allowance = limit  # samples that may still be held; -1 once the prefix has ended
+    least, skip = (1, frozenset[int]()) if pool else (2, exempt)
     for g in groups:
-        if room >= least and len(g) >= least and exempt.isdisjoint(g):
+        if allowance >= least and len(g) >= least and skip.isdisjoint(g):
             tokens = lengths[g[-1]] * len(g) if area is None else area
             if (tokens - sum(map(lengths.__getitem__, g))) * den > num * tokens:  # holdable
-                if len(g) <= room:
+                if len(g) <= allowance:
                     held.append(g)
-                    room -= len(g)
+                    allowance -= len(g)
                     continue
-                room = -1  # the first holdable group past the cap ends the prefix
+                allowance = -1  # the first holdable group past the cap ends the prefix
         kept.append(g)
     return (kept, held) if kept or pool else (held, [])
 

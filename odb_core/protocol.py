@@ -345,7 +345,7 @@ class RankProtocol:
             tokens=self._buffer_tokens if nbuf else 0,
             pending=len(self.views) - self._next + len(self._inflight) if self._header_len != HEADER_LEN else 0,
             load=sum(self._length.values()) if nbuf and self._header_len != HEADER_LEN else 0,
-            room=room,
+            room=room if self._header_len != HEADER_LEN else 0,
         )
         self.phase = Phase.HEADER_SENT
         return self._header.encode(self._header_len)

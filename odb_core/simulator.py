@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from odb_core.config import ODBConfig
 from odb_core.epoch import Delivery, EpochDriver
-from odb_core.errors import ProtocolStateError
+from odb_core.errors import RoundBoundError
 from odb_core.protocol import RankProtocol, Step
 from odb_core.quota import QuotaTracker
 from odb_core.sampler import permutation, split_tail
@@ -137,7 +137,7 @@ def simulate(
 
     ``tokens`` are per-sample loss tokens (default: the lengths). ``max_rounds``
     bounds each logical iteration (default 4 x (largest shard + pool views left + D) + 8, above the
-    P6 bound); exceeding it raises :class:`ProtocolStateError`. ``observer`` is
+    P6 bound); exceeding it raises :class:`RoundBoundError`. ``observer`` is
     called with every rank's state machine after each round (tests check P1/P2
     there); ``tracer`` after every state change, labelled like the spec's actions
     (``Init``, ``Fetch``, ``Drain``, ``Gather``), for trace validation; ``events``,
@@ -171,7 +171,7 @@ def simulate(
     trace("Init")
     while not drivers[0].done:
         ps = protos()
-        pool = len(drivers[0].pool) - drivers[0].pool_cursor  # the packed reserve deals one view a round
+        pool = len(drivers[0].pool) - drivers[0].pool_cursor  # views left to claim (the packed reserve: one a round)
         limit = max_rounds or 4 * (max(len(p.views) for p in ps) + pool + config.outstanding_depth) + 8
         _run_iteration(drivers, lengths, toks, schedule, rng, result, limit, observer, trace)
         if drivers[0].pool:  # a shared tail: each rank's views are its shard and its claims
@@ -248,4 +248,4 @@ def _run_iteration(
         trace("Gather", protos)
         if not target:
             result.skip_rounds += 1
-    raise ProtocolStateError(f"logical iteration exceeded {limit} rounds without terminating (P6)")
+    raise RoundBoundError(f"logical iteration exceeded {limit} rounds without terminating (P6)")

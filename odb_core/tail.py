@@ -25,11 +25,12 @@ one leaves unused (the header's ``room``). The reserve is about one budget's wor
 rank, reserve = floor(W x L_max x S / L) views (W x L_max over the mean length); the rule above
 deals only the pool beyond it. Once at most the reserve is left, one view goes per round: to
 the rank with nothing pending and the most room (lowest rank on ties), or, if none has room,
-to the least-loaded rank with nothing pending. That view's length is known when the next
-round's rooms are, so each part-full group is filled by best fit before a new one opens.
-On the chat data at W=8 (L_max 8,192, buffer 1,024, pool 2%): 438 batches on seeds 0-4, the
-offline first-fit-decreasing optimum 437; the work rule alone leaves about one part-full group
-per rank (440-442; ``benchmarks/bench_tail_fill.py``).
+to the least-loaded rank with nothing pending. The view's length is unknown when it is dealt;
+its rank packs it with its open groups by best-fit decreasing, and the next round's rooms
+know it, so the part-full groups fill before new ones open. On the chat data at W=8 (L_max
+8,192, buffer 1,024, pool 2%): 438 batches on seeds 0-4, offline first-fit decreasing over
+every length 437, each rank's own first-fit decreasing 441-442, the work rule alone 440-442
+(``benchmarks/bench_tail_fill.py``).
 """
 
 from __future__ import annotations
@@ -48,10 +49,9 @@ def tail_claims(pending: Sequence[int], load: Sequence[int], samples: Sequence[i
     header room (empty: all 0)."""
     if left <= 0 or cap <= 0:
         return [0] * len(pending)
-    reserve = reserve_views(load, samples, left, budget)
-    if reserve and left <= reserve:
+    if in_reserve(load, samples, left, budget):
         return _fill_claim(pending, load, room)
-    return _work_claims(pending, load, samples, left - reserve, cap)
+    return _work_claims(pending, load, samples, left - reserve_views(load, samples, left, budget), cap)
 
 
 def reserve_views(load: Sequence[int], samples: Sequence[int], left: int, budget: int) -> int:
@@ -61,6 +61,13 @@ def reserve_views(load: Sequence[int], samples: Sequence[int], left: int, budget
         return 0
     total_load = sum(load)
     return len(load) * budget * sum(samples) // total_load if total_load else left
+
+
+def in_reserve(load: Sequence[int], samples: Sequence[int], left: int, budget: int) -> bool:
+    """This round deals the packed budget's reserve (one view, by room): ``left`` > 0 views are
+    left and at most :func:`reserve_views` of them."""
+    reserve = reserve_views(load, samples, left, budget)
+    return 0 < left <= reserve
 
 
 def _fill_claim(pending: Sequence[int], load: Sequence[int], room: Sequence[int]) -> list[int]:
@@ -83,11 +90,11 @@ def _work_claims(pending: Sequence[int], load: Sequence[int], samples: Sequence[
     mean_num, mean_den = (total_load, total_samples) if total_samples and total_load else (1, 1)
     work = [ld * mean_den + p * mean_num for ld, p in zip(load, pending)]
     level = _level(work, left * mean_num)
-    claims, room = [0] * len(pending), left
+    claims, unclaimed = [0] * len(pending), left
     for r, (p, w) in enumerate(zip(pending, work)):
-        if p == 0 and room and level > w:
-            claims[r] = min(cap, (level - w) // mean_num, room)
-            room -= claims[r]
+        if p == 0 and unclaimed and level > w:
+            claims[r] = min(cap, (level - w) // mean_num, unclaimed)
+            unclaimed -= claims[r]
     free = [r for r, p in enumerate(pending) if p == 0]
     if not any(claims) and free:
         claims[min(free, key=lambda r: (work[r], r))] = 1

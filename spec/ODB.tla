@@ -347,8 +347,10 @@ FillClaim(rm) ==
                                THEN CHOOSE y \in free : \A z \in free : rm[y] > rm[z] \/ (rm[y] = rm[z] /\ y <= z)
                                ELSE CHOOSE y \in free : \A z \in free : Ld(y) < Ld(z) \/ (Ld(y) = Ld(z) /\ y <= z)
                                : free \in {{r \in Ranks : Pend(r) = 0}}}} : TRUE
+\* the reserve's claim as Claims uses it (a .cfg substitutes a seeded bug here)
+FillOp(rm) == FillClaim(rm)
 Claims(rm) == IF pc = Len(Pool) THEN [r \in Ranks |-> 0]
-              ELSE IF FillOn /\ PoolLeft <= Reserve THEN FillClaim(rm)
+              ELSE IF FillOn /\ PoolLeft <= Reserve THEN FillOp(rm)
               ELSE CHOOSE c \in {ClaimsFor(w, MeanNum, PoolLeft - Reserve) : w \in {[r \in Ranks |-> Work(r)]}} : TRUE
 \* claimed' and pc' for the counts c (each rank's pool indices follow those of the ranks before it)
 ClaimWith(c) ==

@@ -51,8 +51,10 @@ PlanTarget ==
         hs == [r \in Ranks |-> HoldIdx(r, gs[r])]
     IN Target(HeldStatus(st0, gs, hs), [r \in Ranks |-> Len(gs[r]) - Cardinality(hs[r])], [r \in Ranks |-> Len(B[r])])
 WouldSkip == ~IterationEnds /\ PlanTarget = 0
-\* the gather claims a pool view (pc grows: at most Len(Pool) times, so not a livelock)
+\* a packed pool hold's gather claims a pool view (pc grows: at most Len(Pool) times, so not a
+\* livelock); without a pool hold a quiescent skip round is a livelock, claims or not
 PlanClaims ==
+    (\E r \in Ranks : PoolHold(r)) /\
     LET gs == [r \in Ranks |-> IF Status(r) = "ready" THEN Packing(r) ELSE <<>>]
         hs == [r \in Ranks |-> HoldIdx(r, gs[r])]
     IN SumSeq(Claims(RoomOf(gs, hs))) > 0
