@@ -164,7 +164,7 @@ class FillNoFallbackDriver(EpochDriver):
     """F1 (the packed budget's pool): the reserve's view goes only to a rank with room, so
     once every rank with nothing pending has no part-full group (all emitted full, or an empty
     buffer) the pool is never claimed again and the epoch never ends (breaks P6: Termination).
-    Spec twin: ``FillClaim <- MutFillNoFallback``."""
+    Spec twin: ``FillOp <- MutFillNoFallback``."""
 
     claim_rule_cls = NoFallbackRule
 

@@ -49,9 +49,10 @@ def tail_claims(pending: Sequence[int], load: Sequence[int], samples: Sequence[i
     header room (empty: all 0)."""
     if left <= 0 or cap <= 0:
         return [0] * len(pending)
-    if in_reserve(load, samples, left, budget):
+    reserve = reserve_views(load, samples, left, budget)
+    if left <= reserve:  # in_reserve, the reserve computed once
         return _fill_claim(pending, load, room)
-    return _work_claims(pending, load, samples, left - reserve_views(load, samples, left, budget), cap)
+    return _work_claims(pending, load, samples, left - reserve, cap)
 
 
 def reserve_views(load: Sequence[int], samples: Sequence[int], left: int, budget: int) -> int:

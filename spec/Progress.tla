@@ -45,19 +45,18 @@ CanMove == (\E r \in Ranks : ENABLED Fetch(r)) \/ (\E r \in Ranks : Q[r] # {})
 \* the same, but TLC evaluates the gather under ENABLED orders of magnitude slower.)
 IterationEnds ==
     IF JoinMode THEN \A r \in Ranks : Status(r) = "finished" ELSE \E r \in Ranks : Status(r) = "finished"
+PlanStatus == [r \in Ranks |-> Status(r)]
+PlanGroups == [r \in Ranks |-> IF PlanStatus[r] = "ready" THEN Packing(r) ELSE <<>>]
+PlanHeld == [r \in Ranks |-> HoldIdx(r, PlanGroups[r])]
 PlanTarget ==
-    LET st0 == [r \in Ranks |-> Status(r)]
-        gs == [r \in Ranks |-> IF st0[r] = "ready" THEN Packing(r) ELSE <<>>]
-        hs == [r \in Ranks |-> HoldIdx(r, gs[r])]
-    IN Target(HeldStatus(st0, gs, hs), [r \in Ranks |-> Len(gs[r]) - Cardinality(hs[r])], [r \in Ranks |-> Len(B[r])])
+    LET gs == PlanGroups
+        hs == PlanHeld
+    IN Target(HeldStatus(PlanStatus, gs, hs), [r \in Ranks |-> Len(gs[r]) - Cardinality(hs[r])],
+              [r \in Ranks |-> Len(B[r])])
 WouldSkip == ~IterationEnds /\ PlanTarget = 0
 \* a packed pool hold's gather claims a pool view (pc grows: at most Len(Pool) times, so not a
 \* livelock); without a pool hold a quiescent skip round is a livelock, claims or not
-PlanClaims ==
-    (\E r \in Ranks : PoolHold(r)) /\
-    LET gs == [r \in Ranks |-> IF Status(r) = "ready" THEN Packing(r) ELSE <<>>]
-        hs == [r \in Ranks |-> HoldIdx(r, gs[r])]
-    IN SumSeq(Claims(RoomOf(gs, hs))) > 0
+PlanClaims == (\E r \in Ranks : PoolHold(r)) /\ SumSeq(Claims(RoomOf(PlanGroups, PlanHeld))) > 0
 
 QuiescentProgress == (~done /\ ~CanMove) => ~WouldSkip \/ PlanClaims
 
