@@ -63,4 +63,5 @@ def run_config(path: Path) -> ConfigResult:
     text = path.read_text()
     world = int(re.search(r"\bW = (\d+)", text).group(1))  # type: ignore[union-attr]
     mode = "join" if "JoinMode = TRUE" in text else "non-join"
-    return ConfigResult(path.stem, path.stem.split("_", 1)[0], mode, world, expectation(path), tlc("MC", path))
+    kind = path.stem.split("_", 1)[0]
+    return ConfigResult(path.stem, kind, mode, world, expectation(path), tlc("MC", path, short=kind != "deep"))

@@ -1,6 +1,8 @@
-"""ODBDataLoader under real multi-process Gloo runs (spawn), W = 1..4.
+"""ODBDataLoader under real multi-process Gloo runs, W = 1..4.
 
-Each test spawns W trainer ranks, each with its own ODBDataLoader (and so its own
+Each test starts W trainer ranks (forked from a forkserver that imported torch once, each
+in its own session with the test's environment: a spawned rank would import torch again,
+about 3 s of CPU each on this machine), each with its own ODBDataLoader (and so its own
 collate process in its own Gloo group), waits with a timeout, kills anything still
 running, and checks that no process carrying the test's tag and no /dev/shm entry
 created during the run is left behind.
@@ -15,17 +17,27 @@ import signal
 import time
 import uuid
 from collections import Counter
-from multiprocessing import resource_tracker
+from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.multiprocessing as tmp
-from torch_support import check_real_traces, describe, rank_main, sample_length, wait_for_no_leftovers
+from torch_support import (
+    check_real_traces,
+    describe,
+    forked_rank,
+    leaking_rank_main,
+    rank_main,
+    sample_length,
+    wait_for_no_leftovers,
+)
 
 from odb_torch.ports import free_port
 
 pytestmark = pytest.mark.timeout(300)
+# the ranks' forkserver imports these once (it starts with the first run_ranks)
+tmp.set_forkserver_preload(["torch", "torch.distributed", "odb_torch", "torch_support"])
 
 
 def free_port_triple() -> int:
@@ -35,18 +47,21 @@ def free_port_triple() -> int:
 
 def run_ranks(
     world: int, task: dict[str, Any], tmp_path: Path, timeout: float = 240, killed_ranks: int = 0,
-    trace: bool = False, target: Any = rank_main,
+    trace: bool = False, target: Any = rank_main, grace: float = 15.0,
 ) -> list[dict[str, Any]]:
-    """Spawn the ranks (``target(rank, world, port, out_dir, task)``); check no tagged process
-    and no new /dev/shm entry survives. Each result carries the rank process's ``exitcode``
-    (-9: killed here at ``timeout``). ``trace``: the collate processes trace the protocol
+    """Start the ranks (``target(rank, world, port, out_dir, task)``, through
+    :func:`forked_rank`); check no tagged process, none in a rank's session, and no new
+    /dev/shm entry survives. Each result carries the rank process's ``exitcode``
+    (-9: killed here at ``timeout``); helpers get ``grace`` seconds to exit after the ranks.
+    ``trace``: the collate processes trace the protocol
     into ``tmp_path/traces`` (``ODB_TRACE_DIR``), for :func:`check_real_traces`.
 
     A SIGKILLed trainer rank cannot unlink the named semaphores of its loader's two
-    queues (3 each); under spawn they are registered with this process's resource
+    queues (3 each); they are registered with this process's resource
     tracker, which unlinks them when it exits. ``killed_ranks`` allows exactly that.
     """
-    resource_tracker.ensure_running()  # this process's own helper must not carry the tag
+    resource_tracker.ensure_running()  # this process's own helpers must not carry the tag
+    forkserver.ensure_running()
     tmp_path.mkdir(parents=True, exist_ok=True)
     shm_before = set(os.listdir("/dev/shm"))
     tag = uuid.uuid4().hex
@@ -55,8 +70,8 @@ def run_ranks(
         (tmp_path / "traces").mkdir(exist_ok=True)
         os.environ["ODB_TRACE_DIR"] = str(tmp_path / "traces")
     try:
-        ctx = tmp.start_processes(target, args=(world, free_port_triple(), str(tmp_path), task), nprocs=world,
-                                  join=False, start_method="spawn")
+        args = (target, dict(os.environ), os.getcwd(), str(tmp_path), world, free_port_triple(), str(tmp_path), task)
+        ctx = tmp.start_processes(forked_rank, args=args, nprocs=world, join=False, start_method="forkserver")
         deadline = time.monotonic() + timeout
         try:
             for p in ctx.processes:  # each on its own: ProcessContext.join kills the rest when one fails
@@ -69,7 +84,11 @@ def run_ranks(
     finally:
         del os.environ["ODB_TEST_TAG"]
         os.environ.pop("ODB_TRACE_DIR", None)
-    leftovers = wait_for_no_leftovers(tag)
+    for r in range(world):
+        log = tmp_path / f"rank{r}.log"
+        if log.exists() and log.stat().st_size:  # shown when the test fails
+            print(f"--- rank {r} output ---\n{log.read_text(errors='replace')[-4000:]}")
+    leftovers = wait_for_no_leftovers(tag, grace, frozenset(p.pid for p in ctx.processes))
     described = [describe(pid) for pid in leftovers]
     for pid in leftovers:
         os.kill(pid, signal.SIGKILL)
@@ -83,6 +102,12 @@ def run_ranks(
         results.append(json.loads(path.read_text()) if path.exists() else {"rank": r, "error": "no result"})
         results[-1]["exitcode"] = p.exitcode
     return results
+
+
+def test_harness_finds_a_process_a_rank_leaves_behind(tmp_path):
+    """The leak check itself catches a seeded leak: a rank's forked child that outlives it."""
+    with pytest.raises(AssertionError, match="processes left behind"):
+        run_ranks(2, {}, tmp_path, target=leaking_rank_main, grace=2.0)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -289,18 +289,36 @@ def grad_check(loader: ODBDataLoader, world: int) -> float:
     return worst
 
 
-def leftover_processes(tag: str) -> list[int]:
-    """PIDs of live processes whose environment carries ``ODB_TEST_TAG=tag``."""
+def forked_rank(rank: int, target: Any, env: dict[str, str], cwd: str, log_dir: str, *args: Any) -> None:
+    """Run ``target(rank, *args)`` in a rank forked from the forkserver as if it had been spawned
+    now: this process's environment and working directory, in a session of its own (so that
+    :func:`leftover_processes` finds what it forks, whose ``/proc`` environment is the
+    forkserver's), its output in ``log_dir/rank<r>.log``."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    os.setsid()
+    log = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    target(rank, *args)
+
+
+def leftover_processes(tag: str, sessions: frozenset[int] = frozenset()) -> list[int]:
+    """PIDs of live processes whose environment carries ``ODB_TEST_TAG=tag`` or that belong to
+    one of ``sessions`` (session ids: the PIDs of :func:`forked_rank` ranks)."""
     found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
             env = Path("/proc", pid, "environ").read_bytes()
-            state = Path("/proc", pid, "stat").read_text().split()[2]
+            stat = Path("/proc", pid, "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if f"ODB_TEST_TAG={tag}".encode() in env.split(b"\0") and state != "Z":
+        state, session = stat[0], int(stat[3])
+        if (f"ODB_TEST_TAG={tag}".encode() in env.split(b"\0") or session in sessions) and state != "Z":
             found.append(int(pid))
     return found
 
@@ -313,14 +331,14 @@ def describe(pid: int) -> str:
         return "?"
 
 
-def wait_for_no_leftovers(tag: str, grace: float = 15.0) -> list[int]:
-    """Poll until no tagged process is alive, up to ``grace`` seconds (helper processes
-    such as multiprocessing's resource tracker exit just after their parent)."""
+def wait_for_no_leftovers(tag: str, grace: float = 15.0, sessions: frozenset[int] = frozenset()) -> list[int]:
+    """Poll until no tagged process (nor one in ``sessions``) is alive, up to ``grace`` seconds
+    (helper processes such as multiprocessing's resource tracker exit just after their parent)."""
     import time
 
     deadline = time.monotonic() + grace
     while True:
-        found = leftover_processes(tag)
+        found = leftover_processes(tag, sessions)
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.1)
@@ -427,3 +445,14 @@ def check_real_traces(directory: Path, require: tuple[str, ...] = ("fetch", "dra
     missing = [k for k in require if not report["total"].get(k)]
     assert not missing, f"the traced runs never exercised {missing}: {report['total']}"
     return report
+
+
+def leaking_rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, Any]) -> None:
+    """A seeded bug for the harness: the rank forks a child that outlives it (a fork's
+    ``/proc`` environment is the forkserver's, so only the rank's session names it)."""
+    import time
+
+    if os.fork() == 0:
+        time.sleep(120)
+        os._exit(0)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank}))
