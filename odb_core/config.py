@@ -98,8 +98,8 @@ class ODBConfig(BaseModel):
             ``None`` turns it off (the paper's behaviour). The default 0.02 brings the
             padding at buffer 1024 and budget 8192 under 1% on the fitted distributions
             with fewer steps; under the packed budget it lifts best-fit packing there from
-            98.7-99.8% to 99.2-99.8% of L_max, within 0.4 pp of offline first-fit decreasing
-            (``benchmarks/bench_packing_rule.py``) (spec: ``RegroupNum / RegroupDen``, ``H``).
+            98.7-99.8% to 99.5-99.9% of L_max, within 0.1 pp of offline first-fit decreasing
+            (``benchmarks/bench_packing_rule.py``, README "Packed budget") (spec: ``RegroupNum / RegroupDen``, ``H``).
         shuffle_steps: each rank emits a round's T items in a seeded order of its own
             (seed, iteration, round, rank: deterministic, P8), chosen before the step
             vectors are gathered, so step k still pairs every rank's k-th item and its

@@ -165,7 +165,7 @@ def _check(args: argparse.Namespace) -> int:
 def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("demo", help="DDP fine-tune on CPU (W=2, Gloo) on real chat data: Standard vs Sorted vs ODB")
     p.add_argument("--quick", action="store_true", help="a tiny run (seconds), for the tests")
-    p.add_argument("--samples", type=at_least(1), default=None, help="sample budget per method (default 1536; quick 96)")
+    p.add_argument("--samples", type=at_least(1), default=None, help="sample budget per method (default 1280; quick 96)")
     p.add_argument("--world", type=at_least(1), default=2, help="ranks (default 2)")
     p.add_argument("--results", type=Path, default=Path("results"), help="folder for demo.json and the PNG plots")
     p.add_argument("--seed", type=int, default=0)

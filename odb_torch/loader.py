@@ -80,10 +80,11 @@ class ODBDataLoader:
         token_budget: L_max, padded tokens per batch.
         config: the core's :class:`~odb_core.ODBConfig` instead of the protocol keywords
             (token_budget, buffer_size, depth, mode, loss_scaling, target_policy, seed, shuffle_steps,
-            regroup_padding, budget); a keyword given with it must agree with it (``ValueError``
-            naming the keyword otherwise). Protocol keywords left out take ``ODBConfig``'s
-            defaults (buffer 1024, depth = buffer, join, exact, balanced, seed 0,
-            shuffled steps, regroup above 2% padding).
+            regroup_padding, budget, shared_tail); a keyword given with it must agree with it
+            (``ValueError`` naming the keyword otherwise). Protocol keywords left out take
+            ``ODBConfig``'s defaults (buffer 1024, depth = buffer, join, exact, target policy
+            ``balanced`` under the padded budget and ``min`` under the packed one, seed 0,
+            shuffled steps, regroup above 2% padding, padded budget, no pool).
         collate_fn: turns a list of samples into a batch (default ``default_collate``).
         mode: ``"join"`` (default): every sampler view is yielded once per epoch (P4);
             ``"non-join"``: the paper's opt-in mode, where an epoch ends at the first step
@@ -106,7 +107,8 @@ class ODBDataLoader:
             :func:`~odb_torch.padding_free.packed_collate`, ``docs/packing.md``).
         shared_tail: the fraction of each epoch's global order kept as a pool that ranks claim
             from as their own views run out, the least loaded first (join mode, the default
-            ``DistributedSampler``; resume at epoch boundaries only). Cuts the alignment
+            ``DistributedSampler``; a pooled epoch resumes mid-epoch: on the same world size
+            from each rank's own state, on another from every rank's states). Cuts the alignment
             overhead at large world sizes (``docs/scale.md``); 0 (default): none.
         init_method: rendezvous of the collate group (default ``tcp://MASTER_ADDR:
             MASTER_PORT+1``, or a free local port when alone; env ``ODB_COLLATE_PORT``).

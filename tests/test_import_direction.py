@@ -153,3 +153,14 @@ assert not bad, bad
 """
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+
+
+def test_every_package_directory_is_installed() -> None:
+    """pyproject's package list names every directory with an ``__init__.py`` (a missing one
+    is left out of a non-editable install, as ``odb_tools.tune`` was)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")}
+    assert found - listed == set(), "packages missing from pyproject.toml"
+    assert listed - found == set(), "pyproject.toml lists a package that does not exist"
