@@ -56,6 +56,10 @@ def run_ranks(
     ``trace``: the collate processes trace the protocol
     into ``tmp_path/traces`` (``ODB_TRACE_DIR``), for :func:`check_real_traces`.
 
+    The ranks' forkserver starts with the first call and keeps that call's environment for
+    the session; each rank gets the caller's environment, working directory and a session of
+    its own from :func:`forked_rank` (anything torch reads when imported comes from the first).
+
     A SIGKILLed trainer rank cannot unlink the named semaphores of its loader's two
     queues (3 each); they are registered with this process's resource
     tracker, which unlinks them when it exits. ``killed_ranks`` allows exactly that.
@@ -84,10 +88,10 @@ def run_ranks(
     finally:
         del os.environ["ODB_TEST_TAG"]
         os.environ.pop("ODB_TRACE_DIR", None)
-    for r in range(world):
-        log = tmp_path / f"rank{r}.log"
-        if log.exists() and log.stat().st_size:  # shown when the test fails
-            print(f"--- rank {r} output ---\n{log.read_text(errors='replace')[-4000:]}")
+        for r in range(world):
+            log = tmp_path / f"rank{r}.log"
+            if log.exists() and log.stat().st_size:  # shown when the test fails
+                print(f"--- rank {r} output ---\n{log.read_text(errors='replace')[-4000:]}")
     leftovers = wait_for_no_leftovers(tag, grace, frozenset(p.pid for p in ctx.processes))
     described = [describe(pid) for pid in leftovers]
     for pid in leftovers:

@@ -294,10 +294,19 @@ def forked_rank(rank: int, target: Any, env: dict[str, str], cwd: str, log_dir: 
     now: this process's environment and working directory, in a session of its own (so that
     :func:`leftover_processes` finds what it forks, whose ``/proc`` environment is the
     forkserver's), its output in ``log_dir/rank<r>.log``."""
+    from multiprocessing import forkserver
+
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
     os.setsid()
+    # the forkserver exits when every copy of its "alive" pipe is closed: drop the rank's copy (its
+    # children would inherit it), so that if pytest dies the forkserver does, and the rank gets the
+    # SIGINT torch's start_processes asks for on its parent's death, as a spawned rank did
+    alive = forkserver._forkserver._forkserver_alive_fd  # type: ignore[attr-defined]
+    if alive is not None:
+        os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None  # type: ignore[attr-defined]
     log = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
