@@ -66,6 +66,8 @@ class Scenario:
     """The core's ``budget`` (spec: ``BudgetKind``): "padded" or "packed"."""
     pool: tuple[int, ...] = ()
     """The shared tail's pool (its views' lengths; spec: ``Pool``): every rank claims from it (join)."""
+    reserve_divisor: int = 8
+    """The core's ``reserve_divisor`` (spec: ``ReserveDiv``, a constant only with a pool)."""
     stream: bool = False
     """Each rank's views are a stream whose length the core learns only when a fetch reaches past
     it (``EpochDriver(stream=True)``; spec: ``StreamOn <- StreamsOn``, next = NV + 2 once known)."""
@@ -83,6 +85,7 @@ class Scenario:
             seed=self.seed, shuffle_steps=self.shuffle,
             regroup_padding=self.regroup[0] / self.regroup[1] if self.regroup[1] else None,
             shared_tail=0.5 if self.pool else 0.0,  # the pool itself is given (_chain), not cut by the fraction
+            reserve_divisor=self.reserve_divisor,
         )
 
     def constants(self) -> dict[str, Value]:
@@ -92,7 +95,7 @@ class Scenario:
             "Capacity": self.capacity, "JoinMode": self.join, "Quota": self.quota, "Overflow": self.overflow,
             "Policy": self.policy,
             "RegroupNum": self.regroup[0], "RegroupDen": self.regroup[1],
-            **({"Pool": self.pool} if self.pool else {}),
+            **({"Pool": self.pool, "ReserveDiv": self.reserve_divisor} if self.pool else {}),
         }
 
 
@@ -378,6 +381,9 @@ STATE_SPACE_SCENARIOS = (  # in aligned order, so the core's state space equals 
     # is open, the reserve's views claimed one a gather by the rank with the most room
     Scenario("join_2_pool_packed", ((6, 7), (1, 2)), pool=(3, 1, 4, 2), policy="min", budget_kind="packed",
              shuffle=False),
+    # the same with the reserve dealt to every rank with room at once (quick_join_2_pool_packed_spread)
+    Scenario("join_2_pool_packed_spread", ((6, 7), (1, 2)), pool=(3, 1, 4, 2), policy="min", budget_kind="packed",
+             shuffle=False, reserve_divisor=1),
 )
 SHUFFLED_SCENARIOS = (  # shuffled steps: one seeded order per round, inside the spec's every order
     # 3 views per rank: 2,712 core states, 440 of them reached only by shuffling (17 s; the 4-view
@@ -503,6 +509,7 @@ def pooled_scenario(rng: random.Random, seed: int, mutant: str | None = None) ->
         overflow=rng.choice(OVERFLOW_POLICIES), policy=rng.choice(TARGET_POLICIES), mutant=mutant, seed=seed,
         regroup=rng.choice([(0, 0), (1, 50), (1, 5)]), budget_kind=rng.choice(BUDGETS),
         pool=tuple(lengths[i] for i in pool),
+        reserve_divisor=1 if seed % 2 else 8,  # not drawn from rng, so the other draws stay as they were
     )
     return scenario, lengths, schedule
 

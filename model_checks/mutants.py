@@ -130,7 +130,7 @@ class DropLastClaimDriver(EpochDriver):
 
 
 def _in_reserve(rule: ClaimRule, hs: Sequence[Header]) -> bool:
-    """The round deals the packed budget's reserve (one view, by room; :mod:`odb_core.tail`)."""
+    """The round deals the packed budget's reserve (one view a rank, by room; :mod:`odb_core.tail`)."""
     return in_reserve([h.load for h in hs], [h.samples for h in hs], rule.left, rule.budget)
 
 
@@ -160,6 +160,15 @@ class LeastRoomRule(ClaimRule):
         return super().__call__(hs)
 
 
+class OneRankRule(ClaimRule):
+    """The reserve goes to one rank a round whatever ``reserve_divisor`` says."""
+
+    def __call__(self, hs: Sequence[Header]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        if _in_reserve(self, hs):
+            return ClaimRule(self.left, self.cap, self.budget, 1)(hs)
+        return super().__call__(hs)
+
+
 class FillNoFallbackDriver(EpochDriver):
     """F1 (the packed budget's pool): the reserve's view goes only to a rank with room, so
     once every rank with nothing pending has no part-full group (all emitted full, or an empty
@@ -174,6 +183,14 @@ class FillLeastRoomDriver(EpochDriver):
     (every view still dealt once: only trace replay, which checks each gather's claims, sees it)."""
 
     claim_rule_cls = LeastRoomRule
+
+
+class FillOneRankDriver(EpochDriver):
+    """F3 (the packed budget's pool): a reserve round deals to one rank, not to
+    ceil(W / ``reserve_divisor``) (every view still dealt once: only state-space comparison and
+    trace replay, which check each gather's claims, see it)."""
+
+    claim_rule_cls = OneRankRule
 
 
 def _with(name: str, protocol: type[RankProtocol]) -> type[EpochDriver]:
@@ -207,7 +224,7 @@ POOLED_MUTANTS = ("fill-no-fallback",)
 ADAPTER_MUTANTS: dict[str, type[EpochDriver]] = {"local-quota": LocalQuotaDriver, "round-quota": RoundQuotaDriver}
 #: mutants of the shared tail's claims (join mode with a pool), caught by replaying pooled traces
 POOL_MUTANTS: dict[str, type[EpochDriver]] = {"double-deal": DoubleDealDriver, "drop-last-claim": DropLastClaimDriver,
-                                               "fill-least-room": FillLeastRoomDriver}
+                                               "fill-least-room": FillLeastRoomDriver, "fill-one-rank": FillOneRankDriver}
 
 
 def driver(mutant: str | None) -> type[EpochDriver]:

@@ -74,6 +74,7 @@ def cases(
         output_capacity=draw(st.integers(1, 16) if need_capacity else st.one_of(st.none(), st.integers(1, 16))),
         regroup_padding=draw(st.sampled_from([None, 0.0, 0.02, 0.1])),
         shared_tail=draw(st.sampled_from([0.1, 0.5] if pooled else [0.0, 0.0, 0.1, 0.5])) if mode == "join" else 0.0,
+        reserve_divisor=draw(st.sampled_from([8, 1, 2])),
     )
     schedule = draw(st.sampled_from(SCHEDULES))
     if config.mode == "non-join" and schedule == "empty_rank" and world > 1:

@@ -241,7 +241,7 @@ def trace_module(traces: Sequence[Trace]) -> str:
         rows.append(f"[cfg |-> {cfg}, complete |-> {to_tla(tr.complete)}, acts |-> {acts},\n"
                     f" states |-> <<{states}>>,\n packs |-> <<{packs}>>]")
         pooled = bool(tr.scenario.pool)
-        subst = ", ".join(f"{c} <- Traces[{k}].cfg.{c}" for c in (*names, *(("Pool",) if pooled else ())))
+        subst = ", ".join(f"{c} <- Traces[{k}].cfg.{c}" for c in (*names, *(("Pool", "ReserveDiv") if pooled else ())))
         o = f"O_{k}"
         fails = " \\o ".join(f'Fails({o}!{inv}, "{inv}")' for inv in INVARIANTS[1:])
         module = "ODBStream" if tr.scenario.stream else "ODBPool" if pooled else "ODB"
@@ -270,13 +270,15 @@ def trace_module(traces: Sequence[Trace]) -> str:
 
 
 def pool_module() -> str:
-    """ODB with the shared tail's ``Pool`` a constant, as module ODBPool: trace instances of
-    pooled runs substitute each trace's pool (spec/ODB.tla defines ``Pool == <<>>``, which a
-    .cfg overrides, but INSTANCE substitutes constants only)."""
+    """ODB with the shared tail's ``Pool`` and ``ReserveDiv`` constants, as module ODBPool: trace
+    instances of pooled runs substitute each trace's (spec/ODB.tla defines ``Pool == <<>>`` and
+    ``ReserveDiv == 8``, which a .cfg overrides, but INSTANCE substitutes constants only)."""
     text = (SPEC_DIR / "ODB.tla").read_text()
-    if text.count("\nPool == <<>>\n") != 1:
-        raise RuntimeError("spec/ODB.tla: expected one 'Pool == <<>>' definition")
-    return text.replace("MODULE ODB ", "MODULE ODBPool ", 1).replace("\nPool == <<>>\n", "\nCONSTANT Pool\n")
+    for definition in ("\nPool == <<>>\n", "\nReserveDiv == 8\n"):
+        if text.count(definition) != 1:
+            raise RuntimeError(f"spec/ODB.tla: expected one '{definition.strip()}' definition")
+    return (text.replace("MODULE ODB ", "MODULE ODBPool ", 1).replace("\nPool == <<>>\n", "\nCONSTANT Pool\n")
+            .replace("\nReserveDiv == 8\n", "\nCONSTANT ReserveDiv\n"))
 
 
 def stream_module() -> str:
@@ -694,6 +696,7 @@ def _merged_scenario(first: Mapping[str, Any], split: list[_RankLog], n_gathers:
         policy=str(cfg["target_policy"]), dataset_size=None if join else int(first.get("quota") or 0),
         regroup=(int(regroup[0]), int(regroup[1])), budget_kind=str(cfg.get("budget", "padded")),
         pool=tuple(lengths.pool.get(j, (1, 0))[0] for j in range(pool)), stream=bool(stream_ranks),
+        reserve_divisor=int(cfg.get("reserve_divisor", 8)),
     )
     return scenario, stream_ranks
 

@@ -113,6 +113,12 @@ class ODBConfig(BaseModel):
             pool the ranks claim from as their own views run out, the ranks with the least
             work left first (:mod:`odb_core.tail`; join mode, views given as lists). 0 (the
             default): no pool, every view on its shard's rank.
+        reserve_divisor: under the packed budget with a pool, each round of the reserve deals one
+            view to each of the ceil(W / reserve_divisor) roomiest ranks with nothing pending
+            (:mod:`odb_core.tail`). The default 8 deals one view a round at W <= 8 (the chat
+            data at W=8: 438 rows, first-fit decreasing over every length 437) and keeps the
+            reserve's rounds from growing with W (ultrachat at W=64: 72 rounds, not 420, the
+            same rows); 1 deals to every roomy rank at once (fewest rounds, fuller rows lost).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -130,6 +136,7 @@ class ODBConfig(BaseModel):
     regroup_padding: float | None = Field(default=0.02, ge=0, lt=1)
     shuffle_steps: bool = True
     shared_tail: float = Field(default=0.0, ge=0, lt=1)
+    reserve_divisor: Integer = Field(default=8, ge=1)
 
     @model_validator(mode="before")
     @classmethod

@@ -53,7 +53,8 @@ HELLO_MAGIC = 0x0DB1
 """First value of the handshake vector (a peer running another wire format is caught)."""
 
 PROTOCOL_FIELDS = ("token_budget", "budget", "buffer_size", "depth", "mode", "loss_scaling", "seed", "target_policy",
-                   "overflow_policy", "output_capacity", "regroup_padding", "shuffle_steps", "shared_tail")
+                   "overflow_policy", "output_capacity", "regroup_padding", "shuffle_steps", "shared_tail",
+                   "reserve_divisor")
 """The :class:`ODBConfig` fields every rank must share (the handshake compares them, and names
 the first that differs: ``budget`` before ``target_policy``, whose default follows it)."""
 
@@ -69,10 +70,12 @@ class ClaimRule:
     cap: int
     budget: int = 0
     """L_max where the packed budget's reserve applies (:func:`~odb_core.tail.tail_claims`), else 0."""
+    spread: int = 1
+    """The most ranks a reserve round deals to: ceil(W / ``ODBConfig.reserve_divisor``)."""
 
     def __call__(self, hs: Sequence[Header]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         counts = tail_claims([h.pending for h in hs], [h.load for h in hs], [h.samples for h in hs], self.left,
-                             self.cap, [h.room for h in hs], self.budget)
+                             self.cap, [h.room for h in hs], self.budget, self.spread)
         return tuple(counts), tuple(accumulate(counts, initial=0))
 
 
@@ -327,7 +330,8 @@ class EpochDriver:
     def _plan_claims(self, proto: RankProtocol) -> None:
         """The shared tail: every rank's claims from the gathered headers (the same on every rank,
         P8), this rank's kept for after the round's emission."""
-        rule = self.claim_rule_cls(len(self.pool) - self.pool_cursor, self.config.buffer_size, self._fill_budget)
+        rule = self.claim_rule_cls(len(self.pool) - self.pool_cursor, self.config.buffer_size, self._fill_budget,
+                                   -(-self.world // self.config.reserve_divisor))
         counts, before = proto.headers.derived(rule)
         self._claim = (self.pool_cursor + before[self.rank], counts[self.rank])
         self.pool_cursor += before[-1]
@@ -434,7 +438,8 @@ class EpochDriver:
                 "depth": self.config.outstanding_depth, "mode": self.config.mode,
                 "target_policy": self.config.target_policy, "overflow_policy": self.config.overflow_policy,
                 "output_capacity": self.config.output_capacity or 0,
-                "regroup": [0, 0] if frac is None else [frac.numerator, frac.denominator]}
+                "regroup": [0, 0] if frac is None else [frac.numerator, frac.denominator],
+                "reserve_divisor": self.config.reserve_divisor}
 
     def _record(self, **event: Any) -> None:
         if self.trace is not None:

@@ -23,14 +23,17 @@ groups with it: a rank whose views have all arrived holds its part-full groups o
 pool is open (:func:`~odb_core.grouping.hold_sparse` with ``pool``) and reports the most room
 one leaves unused (the header's ``room``). The reserve is about one budget's worth of views per
 rank, reserve = floor(W x L_max x S / L) views (W x L_max over the mean length); the rule above
-deals only the pool beyond it. Once at most the reserve is left, one view goes per round: to
-the rank with nothing pending and the most room (lowest rank on ties), or, if none has room,
-to the least-loaded rank with nothing pending. The view's length is unknown when it is dealt;
-its rank packs it with its open groups by best-fit decreasing, and the next round's rooms
-know it, so the part-full groups fill before new ones open. On the chat data at W=8 (L_max
-8,192, buffer 1,024, pool 2%): 438 batches on seeds 0-4, offline first-fit decreasing over
-every length 437, each rank's own first-fit decreasing 441-442, the work rule alone 440-442
-(``benchmarks/bench_tail_fill.py``).
+deals only the pool beyond it. Once at most the reserve is left, a round deals one view each
+to the k = min(left, ceil(W / ``reserve_divisor``)) ranks with nothing pending and the most
+room (lowest rank on ties), or, if none has room, to the k least-loaded ranks with nothing
+pending. A view's length is unknown when it is dealt; its rank packs it with its open groups
+by best-fit decreasing, and the next round's rooms know it, so the part-full groups fill
+before new ones open. On the chat data at W=8 (L_max 8,192, buffer 1,024, pool 2%, k = 1):
+438 batches on seeds 0-4, offline first-fit decreasing over every length 437, each rank's
+own first-fit decreasing 441-442, the work rule alone 440-442
+(``benchmarks/bench_tail_fill.py``). The reserve holds about W budgets' worth of views, so
+with k = 1 at every W its rounds would grow with W (ultrachat, 3,000 samples per rank, W=64:
+420 rounds, 407 of them without a step); k = ceil(W / 8) deals it in 72 with the same rows.
 """
 
 from __future__ import annotations
@@ -42,16 +45,17 @@ from odb_core.errors import ResumeStateError
 
 
 def tail_claims(pending: Sequence[int], load: Sequence[int], samples: Sequence[int], left: int, cap: int,
-                room: Sequence[int] = (), budget: int = 0) -> list[int]:
+                room: Sequence[int] = (), budget: int = 0, spread: int = 1) -> list[int]:
     """How many pool views each rank claims this round (see the module); they sum to at most
     ``left`` and only ranks with ``pending`` 0 claim. ``budget``: L_max if the packed budget's
     reserve applies (the packed budget with ``regroup_padding``), else 0; ``room``: each rank's
-    header room (empty: all 0)."""
+    header room (empty: all 0); ``spread``: the most ranks a reserve round deals to
+    (ceil(W / ``ODBConfig.reserve_divisor``))."""
     if left <= 0 or cap <= 0:
         return [0] * len(pending)
     reserve = reserve_views(load, samples, left, budget)
     if left <= reserve:  # in_reserve, the reserve computed once
-        return _fill_claim(pending, load, room)
+        return _fill_claim(pending, load, room, min(spread, left))
     return _work_claims(pending, load, samples, left - reserve, cap)
 
 
@@ -65,22 +69,22 @@ def reserve_views(load: Sequence[int], samples: Sequence[int], left: int, budget
 
 
 def in_reserve(load: Sequence[int], samples: Sequence[int], left: int, budget: int) -> bool:
-    """This round deals the packed budget's reserve (one view, by room): ``left`` > 0 views are
+    """This round deals the packed budget's reserve (one view a rank, by room): ``left`` > 0 views are
     left and at most :func:`reserve_views` of them."""
     reserve = reserve_views(load, samples, left, budget)
     return 0 < left <= reserve
 
 
-def _fill_claim(pending: Sequence[int], load: Sequence[int], room: Sequence[int]) -> list[int]:
-    """The reserve's claim: one view, to the rank with nothing pending and the most room (lowest
-    rank on ties), else to the least-loaded rank with nothing pending; none if every rank has
-    views pending."""
+def _fill_claim(pending: Sequence[int], load: Sequence[int], room: Sequence[int], k: int) -> list[int]:
+    """The reserve's claims: one view to each of the ``k`` ranks with nothing pending and the most
+    room (room > 0; lowest rank on ties), or, if none has room, to each of the ``k`` least-loaded
+    ranks with nothing pending; none if every rank has views pending."""
     claims = [0] * len(pending)
     free = [r for r, p in enumerate(pending) if p == 0]
-    if free:
-        roomy = [r for r in free if r < len(room) and room[r] > 0]
-        pick = max(roomy, key=lambda r: (room[r], -r)) if roomy else min(free, key=lambda r: (load[r], r))
-        claims[pick] = 1
+    roomy = [r for r in free if r < len(room) and room[r] > 0]
+    picks = sorted(roomy, key=lambda r: (-room[r], r)) if roomy else sorted(free, key=lambda r: (load[r], r))
+    for r in picks[:k]:
+        claims[r] = 1
     return claims
 
 

@@ -52,6 +52,8 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
                    help="hold back groups padded above this fraction to regroup (default 0.02; negative: off)")
     p.add_argument("--shared-tail", type=float, default=0.0,
                    help="fraction of the epoch's order kept as a pool the least-loaded ranks claim (join; default 0)")
+    p.add_argument("--reserve-divisor", type=int, default=8,
+                   help="packed pool: a reserve round deals to ceil(W / this) ranks (default 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-shuffle", action="store_true", help="sampler order 0..N-1 instead of a seeded shuffle")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -91,6 +93,7 @@ def _simulate(args: argparse.Namespace) -> int:
             output_capacity=args.capacity,
             regroup_padding=None if args.regroup_padding < 0 else args.regroup_padding,
             shared_tail=args.shared_tail,
+            reserve_divisor=args.reserve_divisor,
         )
     except ValidationError as exc:
         raise SystemExit(f"odb simulate: invalid configuration: {describe_error(exc)}") from None

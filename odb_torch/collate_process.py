@@ -404,7 +404,7 @@ class CollateServer:
         self._close_loading()
         claimed = range(self._scheduled, len(driver.views))
         self._scheduled = len(driver.views)
-        # a claim of at most one chunk (the packed reserve's: one view a round) loads here: starting
+        # a claim of at most one chunk (the packed reserve's: one view a round per rank) loads here: starting
         # DataLoader workers for it cost about 60 ms a round (W=2, chat data), loading it ~1.5 ms
         small = len(claimed) <= chunk_size(self.spec.config, self.spec.num_workers)
         self._loading = self._loads(list(driver.views), claimed, in_process=small)

@@ -44,6 +44,8 @@ Len_1b == <<<<1, 9, 12, 10>>>>
 NV_2t == <<2, 2>>
 Len_2t == <<<<6, 7>>, <<1, 2>>>>
 Pool_2t == <<3, 1, 4, 2>>
+\* ReserveDiv <- Div_1: the reserve deals to every rank at once (k = W), as at W = 8 x 8 by default
+Div_1 == 1
 \* Deep suite: three ranks, three views each.
 NV_3x3 == <<3, 3, 3>>
 Len_3x3 == <<<<2, 6, 9>>, <<1, 5, 12>>, <<4, 4, 0>>>>

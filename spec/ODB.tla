@@ -61,6 +61,9 @@ SumSeq(s) == IF s = <<>> THEN 0 ELSE Head(s) + SumSeq(Tail(s))
 (* rank's views are its shard's 1..NV[r], then the pool views it claimed.  *)
 Pool == <<>>
 ClaimCap == BufSize
+\* odb_core ODBConfig.reserve_divisor: a reserve round deals to ceil(W / ReserveDiv) ranks (a .cfg
+\* substitutes ReserveDiv <- ...; with 8 and W <= 8, one rank a round)
+ReserveDiv == 8
 NVr(r) == NV[r] + Len(claimed[r])
 LenOf(r, p) == IF p <= NV[r] THEN Length[r][p] ELSE Pool[claimed[r][p - NV[r]]]
 Views(r) == 1..NVr(r)
@@ -340,13 +343,18 @@ ClaimsFor(w, m, n) ==
                     free \in {{r \in Ranks : Pend(r) = 0}}} : TRUE
 FillOn == BudgetKind = "packed" /\ RegroupDen > 0
 Reserve == IF ~FillOn THEN 0 ELSE IF TotL > 0 THEN (W * Budget * TotS) \div TotL ELSE PoolLeft
+\* the reserve's round: one view to each of the k roomiest ranks with nothing pending (room
+\* rm[r] > 0, lowest rank on ties), or, if none has room, to each of the k least-loaded ones
+FillK == Min({PoolLeft, (W + ReserveDiv - 1) \div ReserveDiv})
+Ahead(S, better(_, _), r) == Cardinality({q \in S : better(q, r)})
 FillClaim(rm) ==
-    IF \A r \in Ranks : Pend(r) > 0 THEN [r \in Ranks |-> 0]
-    ELSE CHOOSE c \in {[r \in Ranks |-> IF r = x THEN 1 ELSE 0]
-                       : x \in {IF \E y \in free : rm[y] > 0
-                               THEN CHOOSE y \in free : \A z \in free : rm[y] > rm[z] \/ (rm[y] = rm[z] /\ y <= z)
-                               ELSE CHOOSE y \in free : \A z \in free : Ld(y) < Ld(z) \/ (Ld(y) = Ld(z) /\ y <= z)
-                               : free \in {{r \in Ranks : Pend(r) = 0}}}} : TRUE
+    CHOOSE c \in {IF roomy # {}
+                  THEN [r \in Ranks |-> IF r \in roomy /\ Ahead(roomy, LAMBDA q, x : rm[q] > rm[x] \/ (rm[q] = rm[x] /\ q < x), r) < k
+                                        THEN 1 ELSE 0]
+                  ELSE [r \in Ranks |-> IF r \in free /\ Ahead(free, LAMBDA q, x : Ld(q) < Ld(x) \/ (Ld(q) = Ld(x) /\ q < x), r) < k
+                                        THEN 1 ELSE 0]
+                  : free \in {{r \in Ranks : Pend(r) = 0}}, roomy \in {{r \in Ranks : Pend(r) = 0 /\ rm[r] > 0}},
+                    k \in {FillK}} : TRUE
 \* the reserve's claim as Claims uses it (a .cfg substitutes a seeded bug here)
 FillOp(rm) == FillClaim(rm)
 Claims(rm) == IF pc = Len(Pool) THEN [r \in Ranks |-> 0]

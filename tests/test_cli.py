@@ -84,6 +84,19 @@ def test_simulate_shared_tail_cuts_the_alignment_overhead_and_keeps_coverage():
     assert out.returncode != 0 and "shared_tail" in out.stderr
 
 
+def test_simulate_reserve_divisor_spreads_the_packed_reserve_over_ranks():
+    """The packed pool's reserve at W=16 dealt to 1 rank a round (divisor 16), 2 (the default 8) or
+    8 (divisor 2): the more ranks a round, the fewer rounds; every view still emitted once (P4)."""
+    args = ("simulate", "--world", "16", "--samples", "3200", "--lengths", "ultrachat", "--budget", "packed",
+            "--shared-tail", "0.05", "--json")
+    one, default, eight = (json.loads(odb(*args, *extra).stdout)
+                           for extra in (("--reserve-divisor", "16"), (), ("--reserve-divisor", "2")))
+    assert one["rounds"] > default["rounds"] > eight["rounds"] and one["rounds"] > 3 * eight["rounds"], (
+        one["rounds"], default["rounds"], eight["rounds"])
+    for run in (one, default, eight):
+        assert run["coverage_exact"] and run["duplicate_emits"] == 0 and run["unique_identities"] == 3200
+
+
 def run_cli(args, capsys):
     """``odb ARGS`` in this process: (exit status, stderr), a SystemExit message counted as stderr."""
     from odb_tools.cli import main

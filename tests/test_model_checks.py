@@ -129,7 +129,7 @@ def test_state_space_comparison_catches_a_core_that_deals_the_pool_otherwise(mon
     (scenario,) = [s for s in conformance.STATE_SPACE_SCENARIOS if s.name == "join_2_pool"]
     assert conformance.compare_state_spaces(scenario).states_equal
 
-    def first_takes_all(pending, load, samples, left, cap, room=(), budget=0):
+    def first_takes_all(pending, load, samples, left, cap, room=(), budget=0, spread=1):
         out = [0] * len(pending)
         free = [r for r, p in enumerate(pending) if p == 0]
         if free:
@@ -149,6 +149,19 @@ def test_state_space_comparison_catches_a_core_that_fills_the_packed_tail_otherw
     assert conformance.compare_state_spaces(scenario).states_equal
     result = conformance.compare_state_spaces(dataclasses.replace(scenario, mutant="fill-least-room"))
     assert not result.states_equal and not result.transitions_included
+
+
+def test_state_space_comparison_catches_a_reserve_dealt_to_one_rank_a_round():
+    """The reserve dealt to every free rank with room at once (join_2_pool_packed_spread,
+    ``reserve_divisor`` 1: k = W = 2; 1,150 states): the core's claims equal the spec's, and a
+    core that deals to one rank a round whatever the divisor (mutant fill-one-rank) leaves them,
+    while at the default divisor (k = 1 at W = 2) it is the same protocol."""
+    (spread,) = [s for s in conformance.STATE_SPACE_SCENARIOS if s.name == "join_2_pool_packed_spread"]
+    assert conformance.compare_state_spaces(spread).states_equal
+    result = conformance.compare_state_spaces(dataclasses.replace(spread, mutant="fill-one-rank"))
+    assert not result.states_equal and not result.transitions_included
+    (default,) = [s for s in conformance.STATE_SPACE_SCENARIOS if s.name == "join_2_pool_packed"]
+    assert conformance.compare_state_spaces(dataclasses.replace(default, mutant="fill-one-rank")).states_equal
 
 
 def test_simulator_traces_replay_as_spec_behaviours():

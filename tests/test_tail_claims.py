@@ -56,30 +56,32 @@ def test_the_pool_and_the_own_shards_cover_the_order_and_count_as_epoch_views(n,
 
 
 @given(st.data())
-def test_the_packed_reserve_deals_one_view_a_round_to_the_roomiest_free_rank(data):
+def test_the_packed_reserve_deals_a_view_each_to_the_roomiest_free_ranks(data):
     """The packed budget's reserve (``budget`` > 0): the work rule deals only the pool beyond
-    floor(W x L_max x S / L) views; within it, one view a round goes to the rank with nothing
-    pending and the most room (lowest on ties), else to the least-loaded free rank, else none."""
+    floor(W x L_max x S / L) views; within it, a round deals one view each to min(k, left) ranks
+    (k = ``spread``) with nothing pending: those with the most room (lowest on ties), or, if no
+    free rank has room, the least-loaded ones; none if no rank is free."""
     w = data.draw(ranks)
+    k = data.draw(st.integers(1, w + 1))
     pending = data.draw(st.lists(st.sampled_from([0, 0, 1, 7]), min_size=w, max_size=w))
     samples = data.draw(st.lists(st.integers(0, 40), min_size=w, max_size=w))
     load = [s * data.draw(st.integers(0, 900)) for s in samples]
     room = [data.draw(st.integers(0, 3000)) if p == 0 and s else 0 for p, s in zip(pending, samples)]
     left, budget = data.draw(st.integers(1, 400)), data.draw(st.sampled_from([64, 1000, 8192]))
-    claims = tail_claims(pending, load, samples, left, 64, room, budget)
+    claims = tail_claims(pending, load, samples, left, 64, room, budget, k)
     reserve = reserve_views(load, samples, left, budget)
     assert reserve == (w * budget * sum(samples) // sum(load) if sum(load) else left)
     free = [r for r in range(w) if pending[r] == 0]
     if left <= reserve:
-        if not free:
-            assert claims == [0] * w
-        else:
-            roomy = [r for r in free if room[r]]
-            best = max(roomy, key=lambda r: (room[r], -r)) if roomy else min(free, key=lambda r: (load[r], r))
-            assert claims == [int(r == best) for r in range(w)]
+        roomy = [r for r in free if room[r]]
+        candidates, key = (roomy, lambda r: (-room[r], r)) if roomy else (free, lambda r: (load[r], r))
+        dealt = [r for r in range(w) if claims[r]]
+        assert set(claims) <= {0, 1} and set(dealt) <= set(candidates), "one view each, to candidates only"
+        assert len(dealt) == min(k, left, len(candidates)), "k views a round (fewer only when fewer are left)"
+        assert all(key(a) < key(b) for a in dealt for b in set(candidates) - set(dealt)), "the best candidates"
     else:
         assert claims == tail_claims(pending, load, samples, left - reserve, 64), "the work rule, beyond the reserve"
-    assert claims == tail_claims(list(pending), list(load), list(samples), left, 64, list(room), budget), "P8"
+    assert claims == tail_claims(list(pending), list(load), list(samples), left, 64, list(room), budget, k), "P8"
 
 
 def test_the_reserve_goes_to_the_roomiest_rank_not_the_least_loaded():
@@ -89,6 +91,8 @@ def test_the_reserve_goes_to_the_roomiest_rank_not_the_least_loaded():
     assert claims == [1, 0]
     # no rank with room: the least loaded takes it (the seeded bug F1 deals nobody here)
     assert tail_claims([0, 0], [9000, 1000], [10, 10], 3, 100, [0, 0], 8192) == [0, 1]
+    # spread 2 (W=16 at the default reserve_divisor 8): the two roomiest free ranks, one view each
+    assert tail_claims([0, 0, 0, 5], [9, 9, 9, 9], [1, 1, 1, 1], 3, 100, [10, 30, 20, 0], 8192, 2) == [0, 1, 1, 0]
 
 
 @pytest.mark.parametrize("name", ["ultrachat", "llava"])

@@ -102,8 +102,13 @@ def test_tlc_replays_pooled_runs_and_rejects_claim_bugs():
     double, double_at = _mutant_run("double-deal")
     dropped, dropped_at = _mutant_run("drop-last-claim")
     least, least_at = _mutant_run("fill-least-room")
-    verdicts = traces.replay([*clean, least, double, dropped])
-    assert all(v.accepted for v in verdicts[:-3]), [v.describe() for v in verdicts if not v.accepted]
+    one, one_at = _mutant_run("fill-one-rank")
+    verdicts = traces.replay([*clean, one, least, double, dropped])
+    assert all(v.accepted for v in verdicts[:-4]), [v.describe() for v in verdicts if not v.accepted]
+    # the reserve dealt to one rank where reserve_divisor gives more: the same kind of Step break
+    assert one.scenario.reserve_divisor == 1
+    v = verdicts[-4]
+    assert not v.accepted and v.reasons == ("Step",) and v.state == one_at, v.describe()
     # the packed reserve's view dealt to the rank with the least room: every view is still dealt
     # once, but the gather's claims are not the spec's (Claims), so no spec step matches it
     v = verdicts[-3]
