@@ -80,7 +80,7 @@ class ODBDataLoader:
         token_budget: L_max, padded tokens per batch.
         config: the core's :class:`~odb_core.ODBConfig` instead of the protocol keywords
             (token_budget, buffer_size, depth, mode, loss_scaling, target_policy, seed, shuffle_steps,
-            regroup_padding, budget, shared_tail); a keyword given with it must agree with it
+            regroup_padding, budget, shared_tail, reserve_divisor); a keyword given with it must agree with it
             (``ValueError`` naming the keyword otherwise). Protocol keywords left out take
             ``ODBConfig``'s defaults (buffer 1024, depth = buffer, join, exact, target policy
             ``balanced`` under the padded budget and ``min`` under the packed one, seed 0,
@@ -110,6 +110,9 @@ class ODBDataLoader:
             ``DistributedSampler``; a pooled epoch resumes mid-epoch: on the same world size
             from each rank's own state, on another from every rank's states). Cuts the alignment
             overhead at large world sizes (``docs/scale.md``); 0 (default): none.
+        reserve_divisor: under the packed budget with a pool, a round of the pool's reserve
+            deals one view each to the ceil(W / reserve_divisor) roomiest ranks (default 8: one
+            a round up to W=8; ``ODBConfig.reserve_divisor``).
         init_method: rendezvous of the collate group (default ``tcp://MASTER_ADDR:
             MASTER_PORT+1``, or a free local port when alone; env ``ODB_COLLATE_PORT``).
         timeout: seconds before a silent collate process or peer is an error.
@@ -163,6 +166,7 @@ class ODBDataLoader:
         regroup_padding: float | None = CONFIG_DEFAULT,
         budget: BudgetName = CONFIG_DEFAULT,
         shared_tail: float = CONFIG_DEFAULT,
+        reserve_divisor: int = CONFIG_DEFAULT,
         init_method: str | None = None,
         timeout: float = 300.0,
         start_method: StartMethod = "auto",
@@ -177,7 +181,7 @@ class ODBDataLoader:
         self.config = protocol_config(config, token_budget, dict(
             buffer_size=buffer_size, depth=depth, mode=mode, loss_scaling=loss_scaling, target_policy=target_policy,
             seed=seed, shuffle_steps=shuffle_steps, regroup_padding=regroup_padding, budget=budget,
-            shared_tail=shared_tail))
+            shared_tail=shared_tail, reserve_divisor=reserve_divisor))
         seed = self.config.seed
         rank, world_size = rank_and_world(rank, world_size)
         self.rank, self.world_size = rank, world_size

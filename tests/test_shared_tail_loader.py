@@ -19,18 +19,22 @@ pytestmark = pytest.mark.timeout(300)
 
 
 PACKED = {"budget": "packed", "target_policy": "min"}
+#: the budgets of the traced runs: packed-spread deals the packed reserve to both ranks a round
+SETTINGS = {"padded": {}, "packed": PACKED, "packed-spread": {**PACKED, "reserve_divisor": 1}}
 #: the steps the traced runs must exercise: under the packed budget the pool holds part-full groups
-REQUIRE = {"padded": ("fetch", "drain", "gather", "claim"), "packed": ("fetch", "drain", "gather", "claim", "hold")}
+HOLDS = ("fetch", "drain", "gather", "claim", "hold")
+REQUIRE = {"padded": ("fetch", "drain", "gather", "claim"), "packed": HOLDS, "packed-spread": HOLDS}
 
 
-@pytest.mark.parametrize("budget", ["padded", "packed"])
+@pytest.mark.parametrize("budget", ["padded", "packed", "packed-spread"])
 def test_a_pooled_epoch_trains_every_view_once_in_lockstep_and_replays_in_tlc(tmp_path, budget):
     """P2, P3, P4 with a pool on real Gloo ranks, and the run's traces, claims included, are
     behaviours of the spec (TLC, every invariant); under the packed budget the pool's reserve
-    fills part-full groups (held open, claimed by room). Later epochs cut their own pools: the
+    fills part-full groups (held open, claimed by room; packed-spread: ``reserve_divisor`` 1,
+    so a reserve round deals to both ranks). Later epochs cut their own pools: the
     single-rank resume test below runs two."""
     n, world, tail = 113, 2, 0.3
-    task = {"kind": "audit", "n": n, "epochs": 1, "workers": 1, "shared_tail": tail, **(PACKED if budget == "packed" else {})}
+    task = {"kind": "audit", "n": n, "epochs": 1, "workers": 1, "shared_tail": tail, **SETTINGS[budget]}
     results = run_ranks(world, task, tmp_path, trace=True)
     for r in results:
         assert "error" not in r, r
@@ -48,10 +52,20 @@ def test_a_pooled_epoch_trains_every_view_once_in_lockstep_and_replays_in_tlc(tm
         for s in steps:
             for x in s:
                 if not x["idle"] and x["size"] >= 2:
-                    cost = sum(map(sample_length, x["ids"])) if budget == "packed" else x["longest"] * x["size"]
+                    cost = sum(map(sample_length, x["ids"])) if budget != "padded" else x["longest"] * x["size"]
                     assert cost <= 128, "P3: a multi-sample batch exceeds the budget"
                 assert x["over"] == (x["size"] == 1 and not x["idle"] and sample_length(x["ids"][0]) > 128)
     check_real_traces(tmp_path / "traces", require=REQUIRE[budget])
+    if budget == "packed-spread":  # the replay checked every gather's claims against ReserveDiv 1
+        from model_checks.conformance import VARIABLES
+        from model_checks.traces import merge_directory
+
+        at = VARIABLES.index("claimed")
+        runs = merge_directory(tmp_path / "traces")
+        assert {t.scenario.reserve_divisor for t in runs} == {1}
+        both = [t for t in runs for a, b in zip(t.states, t.states[1:])
+                if all(len(b[at][r]) == len(a[at][r]) + 1 for r in range(world))]
+        assert both, "no gather dealt one pool view to each rank"  # none does at the default divisor
 
 
 class _Order(DistributedSampler):  # type: ignore[type-arg]

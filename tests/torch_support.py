@@ -121,7 +121,8 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
                                skip_idle=task.get("skip_idle", False), shuffle=task.get("shuffle", True),
                                target_policy=task.get("target_policy", "balanced"),
                                queue_size=task.get("queue_size", 8),
-                               **({"shared_tail": task["shared_tail"]} if "shared_tail" in task else {}))
+                               **({"shared_tail": task["shared_tail"]} if "shared_tail" in task else {}),
+                               **({"reserve_divisor": task["reserve_divisor"]} if "reserve_divisor" in task else {}))
         try:
             if task["kind"] == "audit":
                 result["epochs"] = []
