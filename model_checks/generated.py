@@ -53,6 +53,10 @@ class Model:
     """(RegroupNum, RegroupDen); (0, 0) is off"""
     budget_kind: str = "padded"
     """BudgetKind: "padded" or "packed" (the core's ``budget``)"""
+    pool: tuple[int, ...] = ()
+    """the shared tail's pool: its views' lengths (``Pool``; join only); () is none"""
+    reserve_divisor: int = 8
+    """``ReserveDiv`` (the core's ``reserve_divisor``), a constant only with a pool"""
 
     @property
     def world(self) -> int:
@@ -60,7 +64,7 @@ class Model:
 
     @property
     def views(self) -> int:
-        return sum(map(len, self.lengths))
+        return sum(map(len, self.lengths)) + len(self.pool)
 
     def constants(self) -> dict[str, Any]:
         return {
@@ -70,6 +74,7 @@ class Model:
             "JoinMode": self.join, "Quota": self.views if self.quota is None else self.quota,
             "Overflow": self.overflow, "Policy": self.policy,
             "RegroupNum": self.regroup[0], "RegroupDen": self.regroup[1],
+            **({"Pool": self.pool, "ReserveDiv": self.reserve_divisor} if self.pool else {}),
         }
 
     def describe(self) -> dict[str, Any]:
@@ -79,6 +84,7 @@ class Model:
             "depth": self.depth, "capacity": self.capacity,
             "mode": "join" if self.join else "non-join", "policy": self.policy, "overflow": self.overflow,
             "regroup": f"{self.regroup[0]}/{self.regroup[1]}" if self.regroup[1] else "off",
+            "pool": len(self.pool), "reserve_divisor": self.reserve_divisor,
         }
 
 

@@ -39,7 +39,7 @@ from odb_core.config import TARGET_POLICIES
 
 #: the monitor's counters (spec/Reach.tla CovKeys), summed over behaviours
 COVERAGE = ("gathers", "emits", "skips", "chains", "splits", "overflows", "holds", "takebacks", "idle", "capped",
-            "flushes", "oversize", "zeros", "quotacut")
+            "flushes", "oversize", "zeros", "quotacut", "claims")
 
 
 def draw_lengths(rng: random.Random, n: int, budget: int, scale: float = 1.0) -> tuple[int, ...]:
@@ -60,11 +60,13 @@ def draw_lengths(rng: random.Random, n: int, budget: int, scale: float = 1.0) ->
 
 
 def random_model(seed: int, world: int, join: bool, policy: str, regroup: bool, capacity: int | None = None,
-                 views: tuple[int, int] = (20, 50), budget_kind: str = "padded") -> Model:
+                 views: tuple[int, int] = (20, 50), budget_kind: str = "padded", pool: int = 0,
+                 reserve_divisor: int = 8) -> Model:
     """A model with seeded lengths: ``views`` per rank (uneven), each rank's lengths on a
     scale of its own (shards differ: short-heavy and long-heavy ranks), buffer size in
     4..16 and depth in buffer..16 (equal two times in five), capacity 0-4, under the
-    padded or the packed budget (``budget_kind``)."""
+    padded or the packed budget (``budget_kind``); ``pool`` views of a shared tail (join),
+    drawn last, so the other draws are those of the same model without one."""
     rng = random.Random(seed)
     budget = rng.choice([32, 64, 100])
     lengths = tuple(draw_lengths(rng, rng.randint(*views), budget, rng.lognormvariate(0, 0.7)) for _ in range(world))
@@ -76,7 +78,10 @@ def random_model(seed: int, world: int, join: bool, policy: str, regroup: bool, 
     quota = None if join else rng.randint(max(1, sum(map(len, lengths)) // 2), sum(map(len, lengths)))
     name = (f"w{world}_{'join' if join else 'nonjoin'}_{policy}_{'regroup' if regroup else 'plain'}"
             f"_cap{cap}{'_packed' if budget_kind == 'packed' else ''}_s{seed}")
-    return Model(name, lengths, budget, buffer_size, depth, cap, join, quota, overflow, policy, reg, budget_kind)
+    shared = draw_lengths(rng, pool, budget) if pool else ()
+    name += f"_pool{pool}_div{reserve_divisor}" if pool else ""
+    return Model(name, lengths, budget, buffer_size, depth, cap, join, quota, overflow, policy, reg, budget_kind,
+                 shared, reserve_divisor)
 
 
 #: the CI slice: the largest at W = 8, every policy, both modes, regroup on and off, capacities 0-4,
@@ -88,12 +93,14 @@ CI_MODELS = (
     random_model(14, 4, False, "balanced", True, capacity=4, budget_kind="packed"),
     random_model(15, 3, False, "all-ready", True, capacity=3),
     random_model(16, 6, True, "paper", True, capacity=0),
+    # the shared tail under the packed budget, its reserve dealt to ceil(6 / 2) = 3 ranks a round
+    random_model(17, 6, True, "min", True, capacity=0, budget_kind="packed", pool=16, reserve_divisor=2),
 )
 
 
 def deep_models() -> tuple[Model, ...]:
     """``odb check --deep``: W in {2, 4, 8} x every policy x both modes x regroup on/off; the
-    packed budget in every other model."""
+    packed budget in every other model; three W=8 models with a shared tail."""
     out = []
     seed = 100
     for world in (2, 4, 8):
@@ -103,6 +110,10 @@ def deep_models() -> tuple[Model, ...]:
                     seed += 1
                     out.append(random_model(seed, world, join, policy, regroup,
                                             budget_kind="packed" if seed % 2 else "padded"))
+    # the shared tail: both budgets, the packed reserve dealt to one rank a round and to several
+    out += [random_model(201, 8, True, "balanced", True, budget_kind="padded", pool=24),
+            random_model(202, 8, True, "min", True, budget_kind="packed", pool=24),
+            random_model(203, 8, True, "min", True, budget_kind="packed", pool=24, reserve_divisor=2)]
     return tuple(out)
 
 

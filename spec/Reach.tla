@@ -18,7 +18,7 @@ CONSTANT MaxLevel  \* -depth of the simulation; a behaviour must be done before 
 VARIABLE cov       \* this behaviour's counts of interesting gathers
 
 CovKeys == {"gathers", "emits", "skips", "chains", "splits", "overflows", "holds", "takebacks",
-            "idle", "capped", "flushes", "oversize", "zeros", "quotacut"}
+            "idle", "capped", "flushes", "oversize", "zeros", "quotacut", "claims"}
 
 \* Emission orders for simulation (non-join: the quota depends on the order).
 \* AnyOrder enumerates T!^W orders (too many at W = 8), so each emitting round
@@ -63,8 +63,10 @@ GatherCov ==
              [] k = "capped" -> emit /\ Capacity > 0 /\ \E r \in ready : Len(gs[r]) - Cardinality(hs[r]) > Capacity
              \* a drained rank emits a buffer smaller than buffer_size
              [] k = "flushes" -> emit /\ \E r \in ready : Drained(r) /\ Len(B[r]) - Cardinality(H[r]) < BufSize
-             [] k = "oversize" -> emit /\ \E r \in ready : \E p \in emitted(r) : Length[r][p] > Budget
-             [] k = "zeros" -> emit /\ \E r \in ready : \E p \in emitted(r) : Length[r][p] = 0
+             [] k = "oversize" -> emit /\ \E r \in ready : \E p \in emitted(r) : LenOf(r, p) > Budget
+             [] k = "zeros" -> emit /\ \E r \in ready : \E p \in emitted(r) : LenOf(r, p) = 0
+             \* the shared tail: the gather deals pool views
+             [] k = "claims" -> pc' > pc
              \* non-join: the quota is reached before the round's last step
              [] k = "quotacut" -> emit /\ ~JoinMode /\ done'
                                   /\ consumed' < consumed + SumSeq([r \in Ranks |-> Cardinality(emitted(r))]))]

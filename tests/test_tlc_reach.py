@@ -38,6 +38,8 @@ def test_simulation_at_scale_checks_every_invariant_and_reaches_done():
     assert {m.join for m in models} == {True, False} and {m.regroup[1] > 0 for m in models} == {True, False}
     assert {m.capacity for m in models} >= {1, 2, 3, 4}
     assert {(m.budget_kind, m.join) for m in models} >= {("packed", True), ("packed", False), ("padded", True)}
+    # the shared tail at W=6, its packed reserve dealt to 3 ranks a round ("claims" counts its gathers)
+    assert any(m.pool and m.budget_kind == "packed" and -(-m.world // m.reserve_divisor) > 1 for m in models)
     coverage = {k: sum(r.coverage[k] for r in results) for k in reach.COVERAGE}
     assert all(coverage.values()), f"a branch never simulated: {coverage}"
 
