@@ -696,7 +696,8 @@ def _merged_scenario(first: Mapping[str, Any], split: list[_RankLog], n_gathers:
         policy=str(cfg["target_policy"]), dataset_size=None if join else int(first.get("quota") or 0),
         regroup=(int(regroup[0]), int(regroup[1])), budget_kind=str(cfg.get("budget", "padded")),
         pool=tuple(lengths.pool.get(j, (1, 0))[0] for j in range(pool)), stream=bool(stream_ranks),
-        reserve_divisor=int(cfg.get("reserve_divisor", 8)),
+        # a log from before reserve_divisor was dealt one view a round: k = ceil(W / W) = 1
+        reserve_divisor=int(cfg.get("reserve_divisor", world)),
     )
     return scenario, stream_ranks
 

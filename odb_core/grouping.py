@@ -112,7 +112,7 @@ def hold_sparse(groups: list[list[int]], lengths: Mapping[int, int], fraction: F
 
     ``pool``: the rank waits for a shared tail's pool (the packed budget, every view of the rank
     arrived, the pool open): it keeps its part-full groups open for the pool views it claims
-    (:func:`~odb_core.tail.tail_claims` gives the next to the rank with the most room), so a
+    (:func:`~odb_core.tail.tail_claims` deals them to the ranks with the most room), so a
     group of one sample is holdable too, ``exempt`` is ignored (a group may be held again), and
     every group may be held. The pool is finite and drains, so no group is held forever (P6).
     """

@@ -171,7 +171,7 @@ def simulate(
     trace("Init")
     while not drivers[0].done:
         ps = protos()
-        pool = len(drivers[0].pool) - drivers[0].pool_cursor  # views left to claim (the packed reserve: one a round)
+        pool = len(drivers[0].pool) - drivers[0].pool_cursor  # views left to claim (the packed reserve: k a round)
         limit = max_rounds or 4 * (max(len(p.views) for p in ps) + pool + config.outstanding_depth) + 8
         _run_iteration(drivers, lengths, toks, schedule, rng, result, limit, observer, trace)
         if drivers[0].pool:  # a shared tail: each rank's views are its shard and its claims

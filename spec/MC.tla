@@ -44,7 +44,7 @@ Len_1b == <<<<1, 9, 12, 10>>>>
 NV_2t == <<2, 2>>
 Len_2t == <<<<6, 7>>, <<1, 2>>>>
 Pool_2t == <<3, 1, 4, 2>>
-\* ReserveDiv <- Div_1: the reserve deals to every rank at once (k = W), as at W = 8 x 8 by default
+\* ReserveDiv <- Div_1: the reserve deals to every free rank at once (k = W; the default 8 gives k = 1 at W <= 8)
 Div_1 == 1
 \* Deep suite: three ranks, three views each.
 NV_3x3 == <<3, 3, 3>>

@@ -2,7 +2,8 @@
 never hands out more than the pool holds, only to ranks with nothing pending, at most the cap
 each, always at least one view while such a rank exists (the pool drains, P6), and the least
 loaded first (the ranks end with about equal work); under the packed budget a reserve dealt one
-view a round to the rank with the most room, which packs tighter than any per-rank packer."""
+view each a round to the ceil(W / reserve_divisor) ranks with the most room, which packs tighter
+than any per-rank packer."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def test_the_packed_reserve_deals_a_view_each_to_the_roomiest_free_ranks(data):
         candidates, key = (roomy, lambda r: (-room[r], r)) if roomy else (free, lambda r: (load[r], r))
         dealt = [r for r in range(w) if claims[r]]
         assert set(claims) <= {0, 1} and set(dealt) <= set(candidates), "one view each, to candidates only"
-        assert len(dealt) == min(k, left, len(candidates)), "k views a round (fewer only when fewer are left)"
+        assert len(dealt) == min(k, left, len(candidates)), "k views a round (fewer only if fewer are left or free)"
         assert all(key(a) < key(b) for a in dealt for b in set(candidates) - set(dealt)), "the best candidates"
     else:
         assert claims == tail_claims(pending, load, samples, left - reserve, 64), "the work rule, beyond the reserve"

@@ -79,6 +79,20 @@ def test_merge_rejects_claims_that_are_not_one_pooled_run():
         traces.merge(bad)
 
 
+def test_a_pooled_log_from_before_reserve_divisor_replays_with_one_rank_a_round():
+    """A log whose configuration has no ``reserve_divisor`` (written before it existed, when the
+    reserve went to one rank a round at every W) merges with ReserveDiv = W, so k = 1."""
+    s, data, schedule = _pooled(1)
+    logs = traces.simulator_logs(dataclasses.replace(s, reserve_divisor=len(s.lengths)), data, schedule)
+    for log in logs:
+        for ev in log:
+            if "config" in ev:
+                del ev["config"]["reserve_divisor"]
+    merged = traces.merge(logs)
+    assert merged.scenario.reserve_divisor == len(s.lengths)
+    assert all(v.accepted for v in traces.replay([merged]))
+
+
 def _mutant_run(mutant: str) -> tuple[Trace, int]:
     """The merged logs of a pooled run the mutation changed, and the first state that differs
     from the clean run's on the same inputs (where the bug shows)."""
