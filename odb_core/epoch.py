@@ -164,6 +164,7 @@ class EpochDriver:
         self.pool_cursor = 0  # pool views claimed so far (by every rank)
         packed_holds = config.budget == "packed" and config.regroup_fraction is not None
         self._fill_budget = config.token_budget if packed_holds else 0  # the claims' reserve (odb_core.tail)
+        self._fill_spread = -(-world // config.reserve_divisor)  # the ranks a reserve round deals to
         self._claim: tuple[int, int] = (0, 0)  # this round's own claim: (first pool index, count)
         self._pool_base = 0  # the sampler position of pool view 0 (after this rank's own views)
         self._pool_origin = 0  # the pool's cursor when the iteration began (a resumed pooled epoch's)
@@ -331,7 +332,7 @@ class EpochDriver:
         """The shared tail: every rank's claims from the gathered headers (the same on every rank,
         P8), this rank's kept for after the round's emission."""
         rule = self.claim_rule_cls(len(self.pool) - self.pool_cursor, self.config.buffer_size, self._fill_budget,
-                                   -(-self.world // self.config.reserve_divisor))
+                                   self._fill_spread)
         counts, before = proto.headers.derived(rule)
         self._claim = (self.pool_cursor + before[self.rank], counts[self.rank])
         self.pool_cursor += before[-1]
