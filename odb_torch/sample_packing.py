@@ -15,13 +15,12 @@ travels as is.
 from __future__ import annotations
 
 import ctypes
-import math
 import numbers
 import operator
 import reprlib
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,10 +34,11 @@ INLINE_BYTES = 4 << 20
 
 @dataclass(frozen=True)
 class _Slot:
-    """Where a packed tensor lives: its dtype's flat buffer, offset and shape."""
+    """Where a packed tensor was: its dtype and shape. Its place in its dtype's flat buffer
+    is its rank among that dtype's slots in traversal order (:func:`pack` and
+    :func:`unpack` walk the samples alike; ``PackedChunk.sizes`` holds the element counts)."""
 
     dtype: torch.dtype
-    offset: int
     shape: tuple[int, ...]
 
 
@@ -51,6 +51,8 @@ class PackedChunk:
 
     skeletons: list[Any]
     buffers: dict[torch.dtype, torch.Tensor | bytes]
+    sizes: dict[torch.dtype, list[int]] = field(default_factory=dict)
+    """Per dtype, the element count of each of its slots, in traversal order."""
     measures: list[tuple[int, int]] | None = None
     error: ODBError | None = None
 
@@ -89,8 +91,11 @@ class IndexedDataset(Dataset):  # type: ignore[type-arg]
 
 def _map_leaves(x: Any, leaf: Callable[[Any], Any]) -> Any:
     """Apply ``leaf`` to every leaf inside dicts, lists and (plain) tuples."""
+    kind = type(x)
+    if kind is dict:  # the common sample: a plain dict (fast path, same result)
+        return {k: _map_leaves(v, leaf) for k, v in x.items()}
     if isinstance(x, dict):
-        return type(x)((k, _map_leaves(v, leaf)) for k, v in x.items())
+        return kind((k, _map_leaves(v, leaf)) for k, v in x.items())
     if isinstance(x, list):
         return [_map_leaves(v, leaf) for v in x]
     if isinstance(x, tuple) and not hasattr(x, "_fields"):
@@ -101,22 +106,23 @@ def _map_leaves(x: Any, leaf: Callable[[Any], Any]) -> Any:
 def pack(samples: list[Any]) -> PackedChunk:
     """Worker side (the DataLoader's collate_fn): pack a chunk's tensors per dtype."""
     pieces: dict[torch.dtype, list[torch.Tensor]] = {}
-    sizes: dict[torch.dtype, int] = {}
+    sizes: dict[torch.dtype, list[int]] = {}
 
     def strip(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.layout == torch.strided and x.device.type == "cpu":
-            offset = sizes.get(x.dtype, 0)
-            pieces.setdefault(x.dtype, []).append(x.reshape(-1))
-            sizes[x.dtype] = offset + x.numel()
-            return _Slot(x.dtype, offset, tuple(x.shape))
+            if x.dtype not in pieces:
+                pieces[x.dtype], sizes[x.dtype] = [], []
+            pieces[x.dtype].append(x if x.dim() == 1 else x.reshape(-1))
+            sizes[x.dtype].append(x.numel())
+            return _Slot(x.dtype, tuple(x.shape))
         return x
 
     skeletons = [_map_leaves(s, strip) for s in samples]
     flat = {dt: torch.cat(ts) for dt, ts in pieces.items()}
     if sum(t.numel() * t.element_size() for t in flat.values()) <= INLINE_BYTES:
         return PackedChunk(skeletons, {dt: ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
-                                       for dt, t in flat.items()})
-    return PackedChunk(skeletons, dict(flat))
+                                       for dt, t in flat.items()}, sizes)
+    return PackedChunk(skeletons, dict(flat), sizes)
 
 
 def _tensor(buffer: torch.Tensor | bytes, dtype: torch.dtype) -> torch.Tensor:
@@ -128,12 +134,14 @@ def _tensor(buffer: torch.Tensor | bytes, dtype: torch.dtype) -> torch.Tensor:
 
 
 def unpack(chunk: PackedChunk) -> list[Any]:
-    """Collate-process side: rebuild the samples, their tensors as views of the chunk's buffers."""
-    flat = {dt: _tensor(b, dt) for dt, b in chunk.buffers.items()}
+    """Collate-process side: rebuild the samples, their tensors as views of the chunk's buffers
+    (one ``split`` per dtype makes every view of it at once)."""
+    parts = {dt: iter(_tensor(b, dt).split_with_sizes(chunk.sizes[dt])) for dt, b in chunk.buffers.items()}
 
     def fill(x: Any) -> Any:
-        if isinstance(x, _Slot):
-            return flat[x.dtype][x.offset : x.offset + math.prod(x.shape)].view(x.shape)
+        if type(x) is _Slot:
+            part = next(parts[x.dtype])
+            return part if len(x.shape) == 1 else part.view(x.shape)
         return x
 
     return [_map_leaves(s, fill) for s in chunk.skeletons]
@@ -171,7 +179,7 @@ def default_loss_tokens(sample: Any, length: int) -> int:
     if isinstance(sample, dict) and "labels" in sample:
         labels = sample["labels"]
         if isinstance(labels, torch.Tensor):
-            return int((labels != -100).sum())
+            return int(labels.ne(-100).sum())
         return sum(1 for x in labels if x != -100)
     return length
 
@@ -179,6 +187,8 @@ def default_loss_tokens(sample: Any, length: int) -> int:
 def as_count(value: object) -> int | None:
     """``value`` as an int if it is an integer (a Python or NumPy int, or a one-element
     integer tensor), else None. Floats, strings, bools and None are not counts."""
+    if type(value) is int:  # the common case, without the ABC checks below
+        return value
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             return None
