@@ -89,10 +89,16 @@ class IndexedDataset(Dataset):  # type: ignore[type-arg]
                 f"{describe_exception(exc)}", rank=self.rank, indices=(index,)))
 
 
+_LEAVES = frozenset({torch.Tensor, _Slot, int, float, bool, str, bytes, type(None)})
+"""Types that are leaves whatever :func:`_map_leaves` checks (none is a dict, list or tuple)."""
+
+
 def _map_leaves(x: Any, leaf: Callable[[Any], Any]) -> Any:
     """Apply ``leaf`` to every leaf inside dicts, lists and (plain) tuples."""
     kind = type(x)
-    if kind is dict:  # the common sample: a plain dict (fast path, same result)
+    if kind in _LEAVES:  # fast paths for the common types, same result
+        return leaf(x)
+    if kind is dict:
         return {k: _map_leaves(v, leaf) for k, v in x.items()}
     if isinstance(x, dict):
         return kind((k, _map_leaves(v, leaf)) for k, v in x.items())
