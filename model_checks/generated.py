@@ -24,7 +24,7 @@ from model_checks.tla import SPEC_DIR, jar_path, java
 
 #: every invariant of ODB
 ODB_INVARIANTS = ("TypeOK", "NoLeak", "DepthBound", "Lockstep", "BudgetOK", "WithinCapacity", "JoinCoverage",
-                  "QuotaClosure", "RoundBound", "BRuleAdmissible", "HeldOK")
+                  "QuotaClosure", "RoundBound", "BRuleAdmissible", "HeldOK", "PoolOnce")
 #: spec/Progress.tla
 PROGRESS_INVARIANTS = ("QuiescentProgress", "IterationProgress")
 #: the modules a generated model may extend

@@ -201,6 +201,10 @@ SIM_BUGS = (
            behaviours=5, why="without the progress invariants a stuck behaviour runs to the depth bound undone"),
     SimBug("no_flush_progress", SMALL, ("Status <- MutStatusNoFlush",), "invariant:QuiescentProgress",
            behaviours=5, why="the progress invariant sees the stuck state at once"),
+    SimBug("claim_prev_only", CI_MODELS[6], ("ClaimWith <- MutClaimWithPrevOnly",), "invariant:PoolOnce",
+           behaviours=6, why="a claim's pool indices offset by the rank just before only: the real rule at two "
+                             "ranks (every quick pool configuration); at W=6 two claiming ranks with a third "
+                             "between them are dealt the same views"),
 )
 
 

@@ -84,6 +84,13 @@ MutStreamEndEarly(r, last) == next[r]..(IF last > NV[r] THEN NV[r] - 1 ELSE last
 \* nothing pending has a part-full group, the pool is never claimed again (breaks Termination).
 MutFillNoFallback(rm) ==
     IF \E r \in Ranks : Pend(r) = 0 /\ rm[r] > 0 THEN FillClaim(rm) ELSE [r \in Ranks |-> 0]
+\* F2: a claim's pool indices offset by the count of the rank just before only, not of all
+\* ranks before: when two ranks with a third between them both claim at one gather, they are
+\* dealt the same views, and the pool's last views nobody (breaks PoolOnce); at two ranks,
+\* as in every quick configuration, it is the real ClaimWith (reach's seeded pool bug).
+MutClaimWithPrevOnly(c) ==
+    /\ claimed' = [r \in Ranks |-> claimed[r] \o [i \in 1..c[r] |-> pc + (IF r > 1 THEN c[r - 1] ELSE 0) + i]]
+    /\ pc' = pc + SumSeq(c)
 \* Two ranks whose single samples fill the budget exactly (nothing is held back) and a pool.
 NV_2f == <<1, 1>>
 Len_2f == <<<<10>>, <<10>>>>

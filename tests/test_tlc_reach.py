@@ -44,6 +44,22 @@ def test_simulation_at_scale_checks_every_invariant_and_reaches_done():
     assert all(coverage.values()), f"a branch never simulated: {coverage}"
 
 
+def test_simulation_and_progress_check_every_invariant_the_configurations_check():
+    """Every ODB.tla invariant some TLC configuration checks is in ``ODB_INVARIANTS``, the list the
+    simulation and the progress checks use (PoolOnce was missing until 2026-11-27: the pooled
+    reach models never checked that each pool view goes to one rank)."""
+    import re
+    from pathlib import Path
+
+    from model_checks.generated import ODB_INVARIANTS
+
+    spec = Path(__file__).resolve().parent.parent / "spec"
+    defined = set(re.findall(r"^(\w+) ==", (spec / "ODB.tla").read_text(), re.M))
+    checked = {name for cfg in spec.glob("cfg/**/*.cfg") for line in cfg.read_text().splitlines()
+               if line.startswith("INVARIANT") for name in line.split()[1:]}
+    assert "PoolOnce" in checked and checked & defined <= set(ODB_INVARIANTS), sorted(checked & defined - set(ODB_INVARIANTS))
+
+
 @pytest.mark.parametrize("bug", reach.SIM_BUGS, ids=lambda b: b.name)
 def test_simulation_catches_seeded_bug(bug):
     result = reach.run_bug(bug)
