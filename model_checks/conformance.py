@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from model_checks.mutants import PACKED_MUTANTS, POOL_MUTANTS, driver
-from model_checks.tla import SPEC_DIR, TlcRun, sany, tlc
+from model_checks.tla import ODB_INVARIANTS, SPEC_DIR, TlcRun, sany, tlc
 from odb_core import ODBConfig, RankProtocol
 from odb_core.config import BUDGETS, OVERFLOW_POLICIES, TARGET_POLICIES
 from odb_core.epoch import EpochDriver
@@ -322,8 +322,7 @@ def explore_spec(s: Scenario) -> tuple[TlcRun, set[tuple[Value, ...]], set[tuple
     cfg += "" if s.shuffle else "    Orders <- InOrder\n"
     cfg += "    StreamOn <- StreamsOn\n" if s.stream else ""
     cfg += "INIT Init\nNEXT Next\n"
-    cfg += "INVARIANTS TypeOK NoLeak DepthBound Lockstep BudgetOK WithinCapacity JoinCoverage QuotaClosure RoundBound\n"
-    cfg += "    BRuleAdmissible HeldOK\n"
+    cfg += "INVARIANTS " + " ".join(ODB_INVARIANTS) + "\n"
     with tempfile.TemporaryDirectory(prefix="odb-conf-") as tmpname:
         tmp = Path(tmpname)
         _model_dir(tmp, {"Conf.tla": module, "Conf.cfg": cfg})

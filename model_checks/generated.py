@@ -22,9 +22,6 @@ from typing import Any, TypeVar
 from model_checks.conformance import to_tla, wrap_tla
 from model_checks.tla import SPEC_DIR, jar_path, java
 
-#: every invariant of ODB
-ODB_INVARIANTS = ("TypeOK", "NoLeak", "DepthBound", "Lockstep", "BudgetOK", "WithinCapacity", "JoinCoverage",
-                  "QuotaClosure", "RoundBound", "BRuleAdmissible", "HeldOK", "PoolOnce")
 #: spec/Progress.tla
 PROGRESS_INVARIANTS = ("QuiescentProgress", "IterationProgress")
 #: the modules a generated model may extend

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model_checks.generated import ODB_INVARIANTS, PROGRESS_INVARIANTS, outcome, run_tlc
-from model_checks.tla import SPEC_DIR
+from model_checks.generated import PROGRESS_INVARIANTS, outcome, run_tlc
+from model_checks.tla import ODB_INVARIANTS, SPEC_DIR
 
 CFG_DIR = SPEC_DIR / "cfg"
 

@@ -26,7 +26,6 @@ from typing import Any
 
 from model_checks import inductive, progress
 from model_checks.generated import (
-    ODB_INVARIANTS,
     PROGRESS_INVARIANTS,
     Model,
     constants_cfg,
@@ -35,6 +34,7 @@ from model_checks.generated import (
     parallel,
     run_tlc,
 )
+from model_checks.tla import ODB_INVARIANTS
 from odb_core.config import TARGET_POLICIES
 
 #: the monitor's counters (spec/Reach.tla CovKeys), summed over behaviours

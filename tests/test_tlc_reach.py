@@ -46,12 +46,12 @@ def test_simulation_at_scale_checks_every_invariant_and_reaches_done():
 
 def test_simulation_and_progress_check_every_invariant_the_configurations_check():
     """Every ODB.tla invariant some TLC configuration checks is in ``ODB_INVARIANTS``, the list the
-    simulation and the progress checks use (PoolOnce was missing until 2026-11-27: the pooled
+    simulation, the progress checks and the state-space comparison use (PoolOnce was missing until 2026-11-27: the pooled
     reach models never checked that each pool view goes to one rank)."""
     import re
     from pathlib import Path
 
-    from model_checks.generated import ODB_INVARIANTS
+    from model_checks.tla import ODB_INVARIANTS
 
     spec = Path(__file__).resolve().parent.parent / "spec"
     defined = set(re.findall(r"^(\w+) ==", (spec / "ODB.tla").read_text(), re.M))
