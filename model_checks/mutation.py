@@ -1,9 +1,11 @@
 """Seeded bugs in odb_core, hunted with hypothesis.
 
-Each mutant (:mod:`model_checks.mutants`) is the core's twin of a spec mutant
-(spec/cfg/mutant_*.cfg). A hunt searches random simulation cases for one whose
-epoch violates the property the mutant breaks; finding one means the hypothesis
-suite catches the bug.
+Each mutant of :data:`~model_checks.mutants.MUTANTS` is the core's twin of a spec mutant
+(spec/cfg/mutant_*.cfg); :data:`POOL_HUNTS` are the shared tail's claim bugs that lose or
+repeat pool views (spec ``PoolOnce``; their spec twin is the reach simulation's
+``MutClaimWithPrevOnly``). A hunt searches random simulation cases for one whose epoch
+violates the property the mutant breaks; finding one means the hypothesis suite catches
+the bug.
 """
 
 from __future__ import annotations
@@ -13,12 +15,16 @@ from collections import Counter
 from hypothesis import HealthCheck, find, settings
 from hypothesis.errors import NoSuchExample
 
-from model_checks.mutants import MUTANTS, PACKED_MUTANTS, POOLED_MUTANTS, driver
+from model_checks.mutants import MUTANTS, PACKED_MUTANTS, POOL_MUTANTS, POOLED_MUTANTS, driver
 from model_checks.strategies import Case, cases
 from odb_core import ODBError, RankProtocol, simulate
 from odb_core.budgets import within_budget
 from odb_core.config import BUDGETS
 from odb_core.errors import RoundBoundError
+from odb_core.sampler import epoch_views
+
+#: the shared tail's mutants that lose or repeat pool views, hunted like :data:`MUTANTS`
+POOL_HUNTS = ("double-deal", "drop-last-claim")
 
 #: the property each mutant breaks, as :func:`violations` names them
 BREAKS = {
@@ -30,6 +36,8 @@ BREAKS = {
     "no-chain": "P5",
     "pack-overfill": "P3",
     "fill-no-fallback": "P6",
+    "double-deal": "P4",
+    "drop-last-claim": "P4",
 }
 #: the cases a hunt draws from: (modes, need_capacity); PACKED_MUTANTS draw the packed budget only
 SEARCH = {
@@ -41,6 +49,8 @@ SEARCH = {
     "no-chain": (("non-join",), False),
     "pack-overfill": (("join", "non-join"), False),
     "fill-no-fallback": (("join",), False),
+    "double-deal": (("join",), False),
+    "drop-last-claim": (("join",), False),
 }
 
 
@@ -50,8 +60,10 @@ def violations(case: Case) -> set[str]:
     ``P1`` partition at every round, ``P2`` equal item counts (a core that raises
     on a peer's wrong-length vector counts as P2 caught at the wire), ``P6`` a logical
     iteration past the simulator's round bound (it would never end), ``P3``
-    budget (the configured one: padded or packed), ``P4`` join coverage, ``P5`` quota
-    closure, ``capacity`` items per round within the output capacity.
+    budget (the configured one: padded or packed), ``P4`` join coverage (each rank emits its
+    views, and over all ranks every dataset index is emitted, as many times in all as the
+    sampler serves views: a pool view dealt twice or never breaks it), ``P5`` quota closure,
+    ``capacity`` items per round within the output capacity.
     """
     found: set[str] = set()
 
@@ -82,6 +94,10 @@ def violations(case: Case) -> set[str]:
         for r, steps in enumerate(result.steps):
             if Counter(i for s in steps for i in s.identities) != Counter(result.shards[0][r]):
                 found.add("P4")
+        n = len(case.lengths)
+        emitted = Counter(i for steps in result.steps for s in steps for i in s.identities)
+        if set(emitted) != set(range(n)) or emitted.total() != epoch_views(n, case.world, cfg.shared_tail or 0.0):
+            found.add("P4")  # the rank-by-rank check trusts each rank's views, claims included
     else:
         n = len(case.lengths)
         if not n <= result.quota_emitted <= n + result.max_step_samples:
@@ -96,14 +112,14 @@ def mutated(case: Case, mutant: str) -> Case:
 
 def hunt(mutant: str, max_examples: int = 2000) -> Case | None:
     """A case on which ``mutant`` violates the property it breaks, or None if hypothesis finds none."""
-    if mutant not in MUTANTS:
+    if mutant not in MUTANTS and mutant not in POOL_HUNTS:
         raise ValueError(f"unknown mutant {mutant!r}")
     modes, need_capacity = SEARCH[mutant]
     budgets = ("packed",) if mutant in PACKED_MUTANTS else BUDGETS
     try:
         return find(
             cases(modes=modes, max_n=300, need_capacity=need_capacity, budgets=budgets,
-                  pooled=mutant in POOLED_MUTANTS),
+                  pooled=mutant in POOLED_MUTANTS or mutant in POOL_MUTANTS),
             lambda c: BREAKS[mutant] in violations(mutated(c, mutant)),
             # derandomized: the same search every run (a random one took 2-26 s for one mutant in CI)
             settings=settings(max_examples=max_examples, database=None, deadline=None, derandomize=True,
