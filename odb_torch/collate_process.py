@@ -566,14 +566,17 @@ def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any) -> None:
     thread's wake-up cost more than the copy it shares (``pack_batch``'s copies took about
     110 us per sample of the chat data on 2 cores, and too little to profile with one thread).
 
-    Every object inherited from the trainer is frozen out of the garbage collector
-    (``gc.freeze``, as Python's documentation advises for forked children): a collection
-    would otherwise walk the trainer's whole heap and write to each object's header, copying
-    every page of it on write (``perf``: copy-on-write page copies and the collector took
-    about 30% of this process's CPU on the chat data, 14 of 77 us per sample). They stay
-    reachable from the trainer's frames the fork copied, so never collecting them here loses
-    nothing; what this process allocates later is collected as usual."""
+    Every object present when this process starts (under ``fork``, the trainer's whole heap)
+    is frozen out of the garbage collector (``gc.freeze``, as Python's documentation advises
+    for forked children): a collection would otherwise walk the trainer's heap and write to
+    each object's header, copying every page of it on write (``perf``: copy-on-write page
+    copies and the collector took about 30% of this process's CPU on the chat data, 14 of 77
+    us per sample). They stay reachable from the trainer's frames the fork copied, so never
+    collecting them here loses nothing. The collector is on here whatever the trainer chose
+    for itself (a trainer that disabled it would otherwise leave this process's own cycles
+    uncollected): what this process allocates is collected as usual."""
     gc.freeze()
+    gc.enable()
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

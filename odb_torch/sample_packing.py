@@ -14,6 +14,7 @@ travels as is.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import numbers
 import operator
@@ -34,11 +35,12 @@ INLINE_BYTES = 4 << 20
 
 @dataclass(frozen=True)
 class _Slot:
-    """Where a packed tensor was: its dtype and shape. Its place in its dtype's flat buffer
-    is its rank among that dtype's slots in traversal order (:func:`pack` and
-    :func:`unpack` walk the samples alike; ``PackedChunk.sizes`` holds the element counts)."""
+    """Where a packed tensor was: its dtype, its index among that dtype's slots of the chunk
+    (``PackedChunk.sizes`` holds their element counts, in the order of the flat buffer) and
+    its shape."""
 
     dtype: torch.dtype
+    index: int
     shape: tuple[int, ...]
 
 
@@ -89,19 +91,18 @@ class IndexedDataset(Dataset):  # type: ignore[type-arg]
                 f"{describe_exception(exc)}", rank=self.rank, indices=(index,)))
 
 
-_LEAVES = frozenset({torch.Tensor, _Slot, int, float, bool, str, bytes, type(None)})
-"""Types that are leaves whatever :func:`_map_leaves` checks (none is a dict, list or tuple)."""
-
-
 def _map_leaves(x: Any, leaf: Callable[[Any], Any]) -> Any:
     """Apply ``leaf`` to every leaf inside dicts, lists and (plain) tuples."""
     kind = type(x)
-    if kind in _LEAVES:  # fast paths for the common types, same result
+    if kind is torch.Tensor or kind is _Slot or kind is int:  # the common leaves, without the checks below
         return leaf(x)
     if kind is dict:
         return {k: _map_leaves(v, leaf) for k, v in x.items()}
-    if isinstance(x, dict):
-        return kind((k, _map_leaves(v, leaf)) for k, v in x.items())
+    if isinstance(x, dict):  # a copy keeps a subclass's own state (a defaultdict's factory), then new values
+        out = copy.copy(x)
+        for k, v in x.items():
+            out[k] = _map_leaves(v, leaf)
+        return out
     if isinstance(x, list):
         return [_map_leaves(v, leaf) for v in x]
     if isinstance(x, tuple) and not hasattr(x, "_fields"):
@@ -120,7 +121,7 @@ def pack(samples: list[Any]) -> PackedChunk:
                 pieces[x.dtype], sizes[x.dtype] = [], []
             pieces[x.dtype].append(x if x.dim() == 1 else x.reshape(-1))
             sizes[x.dtype].append(x.numel())
-            return _Slot(x.dtype, tuple(x.shape))
+            return _Slot(x.dtype, len(sizes[x.dtype]) - 1, tuple(x.shape))
         return x
 
     skeletons = [_map_leaves(s, strip) for s in samples]
@@ -142,11 +143,11 @@ def _tensor(buffer: torch.Tensor | bytes, dtype: torch.dtype) -> torch.Tensor:
 def unpack(chunk: PackedChunk) -> list[Any]:
     """Collate-process side: rebuild the samples, their tensors as views of the chunk's buffers
     (one ``split`` per dtype makes every view of it at once)."""
-    parts = {dt: iter(_tensor(b, dt).split_with_sizes(chunk.sizes[dt])) for dt, b in chunk.buffers.items()}
+    parts = {dt: _tensor(b, dt).split_with_sizes(chunk.sizes[dt]) for dt, b in chunk.buffers.items()}
 
     def fill(x: Any) -> Any:
         if type(x) is _Slot:
-            part = next(parts[x.dtype])
+            part = parts[x.dtype][x.index]
             return part if len(x.shape) == 1 else part.view(x.shape)
         return x
 

@@ -50,7 +50,8 @@ GC_CHILD = """
     import gc, json, torch
     from odb_torch import ODBDataLoader
 
-    inherited = [{"n": k} for k in range(50_000)]  # the trainer's heap: 50,000 tracked objects
+    inherited = [[k] for k in range(50_000)]  # the trainer's heap: 50,000 more objects the collector tracks
+    gc.disable()  # the trainer's own choice (some frameworks collect by hand)
 
     def collate(samples):
         cycle = [];  cycle.append(cycle)  # garbage made here is still collected
@@ -58,24 +59,28 @@ GC_CHILD = """
         return {"frozen": torch.tensor([gc.get_freeze_count()]), "enabled": torch.tensor([gc.isenabled()]),
                 "collected": torch.tensor([gc.collect()])}
 
+    tracked = len(gc.get_objects())  # what the fork below hands the collate process
     data = [{"input_ids": list(range(1 + i % 5))} for i in range(24)]
     loader = ODBDataLoader(data, token_budget=16, collate_fn=collate, num_workers=0, world_size=1, rank=0,
                            timeout=60, start_method="fork")
     got = [{k: int(v[0]) for k, v in b.items()} for b in loader if not loader.step_info.is_idle]
     loader.close()
-    print(json.dumps({"trainer_frozen": gc.get_freeze_count(), "collate": got}))
+    print(json.dumps({"tracked": tracked, "trainer_frozen": gc.get_freeze_count(), "trainer_enabled": gc.isenabled(),
+                      "collate": got}))
 """
 
 
 def test_forked_collate_process_keeps_the_trainers_objects_out_of_its_collections():
     """A forked collate process freezes what it inherited (``gc.freeze``): its collections never walk
-    the trainer's heap, whose pages they would copy on write; its own garbage is still collected."""
+    the trainer's heap, whose pages they would copy on write; its own garbage is still collected,
+    also when the trainer disabled its collector."""
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(GC_CHILD)], capture_output=True, text=True,
                          timeout=100)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["trainer_frozen"] == 0, "the trainer's own collector is left as it was"
-    assert got["collate"], got
+    assert got["trainer_frozen"] == 0 and not got["trainer_enabled"], "the trainer's own collector is left as it was"
+    assert got["tracked"] > 50_000 and got["collate"], got
     for batch in got["collate"]:
-        assert batch["frozen"] >= 50_000 and batch["enabled"] == 1, batch
+        # every tracked object the trainer had when it forked is frozen there (more: the loader's own)
+        assert batch["frozen"] >= got["tracked"] and batch["enabled"] == 1, batch
         assert batch["collected"] >= 1, batch  # the cycle made in collate_fn

@@ -1,5 +1,7 @@
 """odb_torch.pad_collate: right-padding of token fields, default_collate for the rest."""
 
+from collections import OrderedDict, defaultdict
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -70,11 +72,17 @@ def test_sample_packing_round_trips_structure_values_and_dtypes():
         {"input_ids": torch.arange(0), "pixel": torch.zeros(0, 3, dtype=torch.float16), "meta": ("c", []), "n": 0},
         {"input_ids": torch.arange(3) - 4, "pixel": torch.full((1, 3), 2.5, dtype=torch.float16),
          "meta": ("d", [torch.tensor([[5, 6]])]), "n": 2},
+        # mapping subclasses keep their type and state (a defaultdict's factory), in their key order
+        OrderedDict([("pixel", torch.ones(1, 3, dtype=torch.float16)), ("input_ids", torch.arange(4)),
+                     ("meta", ("e", [])), ("n", 4)]),
+        defaultdict(list, {"input_ids": torch.arange(2) * 3, "pixel": torch.zeros(1, 3, dtype=torch.float16),
+                           "meta": ("f", [torch.tensor(1)]), "n": 5}),
     ]
     chunk = pack(samples)
     assert set(chunk.buffers) == {torch.int64, torch.float16}  # one storage per dtype
     back = unpack(chunk)
     for a, b in zip(samples, back):
+        assert type(a) is type(b) and list(a) == list(b) and getattr(b, "default_factory", list) is list
         assert a.keys() == b.keys() and a["n"] == b["n"] and a["meta"][0] == b["meta"][0]
         for key in ("input_ids", "pixel"):
             assert b[key].dtype == a[key].dtype and torch.equal(b[key], a[key])
