@@ -18,7 +18,8 @@ from typing import Any
 
 from model_checks.generated import Model, constants_cfg, model_module, outcome, run_tlc
 
-#: the invariants of ODB (Inductive.tla: ODBInvariants) and the strengthening they need
+#: the invariants of ODB (Inductive.tla: ODBInvariants) but PoolOnce, which the domains' empty pool
+#: makes trivial (no domain holds a pool or a stream), and the strengthening they need
 ODB = ("TypeOK", "NoLeak", "DepthBound", "HeldOK", "Lockstep", "BudgetOK", "WithinCapacity", "JoinCoverage",
        "QuotaClosure", "RoundBound", "BRuleAdmissible")
 STRENGTHENING = ("RoundsEmitted", "QuotaOpen", "HeldOnlyWithRegroup")

@@ -94,13 +94,16 @@ BUGS = (
 
 #: quick configurations checked with the progress invariants in CI (the rest with --deep)
 CI_QUICK = ("quick_join_2x4_regroup", "quick_join_3_empty_rank", "quick_nonjoin_3_uneven_balanced",
-            "quick_nonjoin_2x4_packed", "quick_join_2_pool_packed")
+            "quick_nonjoin_2x4_packed", "quick_join_2_pool_packed", "quick_join_3_empty_stream")
 
 
 def quick_checks(names: tuple[str, ...] | None = None) -> tuple[ProgressCheck, ...]:
-    """Every quick configuration (or those named) with the progress invariants: must pass."""
-    paths = sorted(CFG_DIR.glob("quick_*.cfg"))
-    return tuple(ProgressCheck(p.stem, p.stem) for p in paths if names is None or p.stem in names)
+    """Every quick configuration of module MC (or those named; the streams' included) with the
+    progress invariants: must pass. The tail-resume and elastic configurations instance other
+    modules (TailResume, Elastic) and check Termination instead."""
+    paths = sorted(CFG_DIR.glob("quick_*.cfg")) + sorted(CFG_DIR.glob("streams/quick_*.cfg"))
+    return tuple(ProgressCheck(p.stem, p.relative_to(CFG_DIR).with_suffix("").as_posix()) for p in paths
+                 if names is None or p.stem in names)
 
 
 def deep_checks() -> tuple[ProgressCheck, ...]:

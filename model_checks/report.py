@@ -82,6 +82,7 @@ def check(
         and all(m["caught_by_tlc"] is not False and m["caught_by_hypothesis"] is not False for m in mutants)
         and conf["traces_accepted"] == conf["traces_checked"]
         and conf["mutant_traces_rejected"] == conf["mutant_traces"]
+        and all(n == mutant_traces_each for n in conf["mutant_traces_found"].values())
         and conf["state_space_equal"] is not False
         and (real is None or real["accepted"] == real["checked"])
         and (reach is None or reach["ok"])
@@ -201,6 +202,7 @@ def _conformance(picked: list[Any], traces: int, mutant_traces_each: int, say: _
         "trace_rejections": [v.describe() for v in verdicts if not v.accepted],
         "trace_coverage": coverage,
         "mutant_traces_rejected_by": rejected_by,
+        "mutant_traces_found": {m: len(ts) for m, ts in per_mutant.items()},  # each must reach the count asked
         "mutant_traces": len(bad),
         "mutant_traces_rejected": len(rejected),
         "state_space_equal": all(s.states_equal and s.transitions_equal for s in spaces) if spaces else None,

@@ -82,7 +82,7 @@ QuotaOpen ==
 \* with regroup off nothing is ever held
 HeldOnlyWithRegroup == RegroupDen = 0 => \A r \in Ranks : H[r] = {}
 
-\* the invariants of ODB as one predicate
+\* the invariants of ODB as one predicate, but PoolOnce (the domains hold no pool)
 ODBInvariants ==
     /\ TypeOK /\ NoLeak /\ DepthBound /\ HeldOK /\ Lockstep /\ BudgetOK /\ WithinCapacity
     /\ JoinCoverage /\ QuotaClosure /\ RoundBound /\ BRuleAdmissible

@@ -1,9 +1,11 @@
 --------------------------------- MODULE MC ---------------------------------
 (***************************************************************************)
 (* Model values for the configurations in spec/cfg/, and the seeded bugs   *)
-(* (mutants) a .cfg substitutes for ODB's operators. Each mutant has a     *)
+(* (mutants) a .cfg substitutes for ODB's operators. M1-M7 and F1 have a   *)
 (* twin in model_checks/mutants.py and must be caught by TLC and by the    *)
-(* hypothesis suite.                                                       *)
+(* hypothesis suite; M8's twin is tests/test_stream_properties.py's; F2    *)
+(* has none (the reach simulation catches it; the hunts catch the core's  *)
+(* own pool bugs, double-deal and drop-last-claim).                        *)
 (***************************************************************************)
 EXTENDS ODB
 

@@ -39,6 +39,19 @@ def test_tlc_configuration_gives_expected_outcome(path):
     assert result.passed, f"{path.stem}: expected {result.expected}, TLC said {result.run.outcome}\n{result.run.output[-3000:]}"
 
 
+def test_brule_admissible_catches_the_overfilling_packing_rule():
+    """BRuleAdmissible is left out of mutant_pack_overfill so that BudgetOK is shown to catch the bug;
+    with every invariant, BRuleAdmissible (the rule's packing is a partition within the budget) fails
+    first, on the state the rule packs before anything is emitted."""
+    from model_checks import progress
+    from model_checks.generated import outcome, run_tlc
+    from model_checks.tla import ODB_INVARIANTS
+
+    cfg = progress.derived_cfg(progress.CFG_DIR / "mutant_pack_overfill.cfg", (), ODB_INVARIANTS)
+    text, _ = run_tlc("Progress", cfg, {}, ())
+    assert outcome(text) == "invariant:BRuleAdmissible", text[-2000:]
+
+
 def test_every_core_mutant_has_a_spec_mutant():
     names = {p.stem for p in configs(("mutant",))}
     assert {SPEC_MUTANT[m] for m in MUTANTS} == names
@@ -206,3 +219,23 @@ def test_odb_check_json_shape():
     assert {"traces_checked", "traces_accepted", "mutant_traces_rejected", "state_space_equal"} <= set(report["conformance"])
     assert report["conformance"]["traces_accepted"] == 12 and report["conformance"]["state_space_equal"] is True
     assert [s["scenario"] for s in report["conformance"]["state_spaces"]] == ["join_1_best_fit"], "--scenarios picks"
+
+
+def test_odb_check_fails_when_a_mutant_yields_fewer_traces_than_asked(monkeypatch):
+    """``odb check`` counts a mutant's traces: one that changed no behaviour in all its tries gives
+    none to reject, and the verdict must not pass on the others' rejections alone."""
+    from model_checks import report
+
+    real = conformance.mutant_traces
+
+    def one_short(per_mutant, *args, **kwargs):
+        found = real(per_mutant, *args, **kwargs)
+        first = next(iter(found))
+        return {**found, first: found[first][:-1]}
+
+    monkeypatch.setattr(conformance, "mutant_traces", one_short)
+    out = report.check(select="mutant_no_chain", traces=0, mutant_traces_each=2, hunt_examples=0,
+                       scenarios="join_1_best_fit")
+    conf = out["conformance"]
+    assert conf["mutant_traces_rejected"] == conf["mutant_traces"] > 0, conf  # every trace it got is rejected
+    assert sorted(conf["mutant_traces_found"].values())[0] == 1 and out["ok"] is False
