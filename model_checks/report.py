@@ -52,7 +52,7 @@ def check(
     on stdout and a bar over the runs on stderr (when it is a terminal)."""
     started = time.perf_counter()
     kinds = ("quick", "sanity", "mutant") + (("deep",) if deep else ())
-    paths = [p for p in configs(kinds) if fnmatch.fnmatch(p.stem, select)]
+    paths = [p for p in configs(kinds, subfolders=True) if fnmatch.fnmatch(p.stem, select)]
     picked = [s for s in conformance.STATE_SPACE_SCENARIOS if fnmatch.fnmatch(s.name, scenarios)]
     warnings = _screen_request(deep, select, paths, picked, traces, mutant_traces_each, hunt_examples,
                                        real_traces)

@@ -2,7 +2,10 @@
 
 ``quick_*`` and ``deep_*`` must pass every invariant and Termination; ``sanity_*``
 must FAIL Termination (restated fairness would be vacuous otherwise); ``mutant_*``
-must FAIL the invariant named in its first-line comment, ``(must fail X)``.
+must FAIL the invariant named in its first-line comment, ``(must fail X)``. The top
+level's configurations instance module MC; those of a subfolder the module
+:data:`MODULES` names (streams: MC; a pooled epoch's resume: TailResume; an elastic
+resume: Elastic).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from pathlib import Path
 from model_checks.tla import SPEC_DIR, TlcRun, tlc
 
 CFG_DIR = SPEC_DIR / "cfg"
+#: the module each subfolder's configurations instance
+MODULES = {"streams": "MC", "tail": "TailResume", "elastic": "Elastic"}
 
 
 @dataclass
@@ -53,15 +58,21 @@ def expectation(path: Path) -> str:
     return "temporal" if m.group(1) == "Termination" else f"invariant:{m.group(1)}"
 
 
-def configs(kinds: tuple[str, ...]) -> list[Path]:
-    """The configuration files of the given kinds, sorted by name."""
-    return sorted(p for p in CFG_DIR.glob("*.cfg") if p.stem.split("_", 1)[0] in kinds)
+def configs(kinds: tuple[str, ...], subfolders: bool = False) -> list[Path]:
+    """The configuration files of the given kinds, sorted by name (the top level's, then with
+    ``subfolders`` those of :data:`MODULES`' folders)."""
+    top = sorted(p for p in CFG_DIR.glob("*.cfg") if p.stem.split("_", 1)[0] in kinds)
+    nested = sorted(p for folder in MODULES for p in (CFG_DIR / folder).glob("*.cfg")
+                    if p.stem.split("_", 1)[0] in kinds)
+    return top + (nested if subfolders else [])
 
 
 def run_config(path: Path) -> ConfigResult:
-    """Run TLC on one configuration of the MC module."""
+    """Run TLC on one configuration, in module MC (the top level) or its folder's module."""
     text = path.read_text()
     world = int(re.search(r"\bW = (\d+)", text).group(1))  # type: ignore[union-attr]
     mode = "join" if "JoinMode = TRUE" in text else "non-join"
     kind = path.stem.split("_", 1)[0]
-    return ConfigResult(path.stem, kind, mode, world, expectation(path), tlc("MC", path, short=kind != "deep"))
+    module = "MC" if path.parent == CFG_DIR else MODULES[path.parent.name]
+    name = path.relative_to(CFG_DIR).with_suffix("").as_posix()
+    return ConfigResult(name, kind, mode, world, expectation(path), tlc(module, path, short=kind != "deep"))
