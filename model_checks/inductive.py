@@ -11,6 +11,7 @@ depth bound, and a protocol bug, each must produce a counterexample.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,10 +19,9 @@ from typing import Any
 
 from model_checks.generated import Model, constants_cfg, model_module, outcome, run_tlc
 
-#: the invariants of ODB (Inductive.tla: ODBInvariants) but PoolOnce, which the domains' empty pool
-#: makes trivial (no domain holds a pool or a stream), and the strengthening they need
+#: the invariants of ODB (Inductive.tla: ODBInvariants) and the strengthening they need
 ODB = ("TypeOK", "NoLeak", "DepthBound", "HeldOK", "Lockstep", "BudgetOK", "WithinCapacity", "JoinCoverage",
-       "QuotaClosure", "RoundBound", "BRuleAdmissible")
+       "QuotaClosure", "RoundBound", "BRuleAdmissible", "PoolOnce")
 STRENGTHENING = ("RoundsEmitted", "QuotaOpen", "HeldOnlyWithRegroup")
 PROGRESS = ("QuiescentProgress", "IterationProgress")
 
@@ -104,6 +104,10 @@ W1_OFF = _model("w1x3_regroup_off", [[1, 3, 11]], regroup=(0, 0))
 W1_SINGLES = _model("w1x4_singles", [[1, 1, 10, 10]])
 #: the packed budget: 1 + 3 leaves 60% of the budget unused (held under regroup 1/5); 11 is alone
 W1_PACKED = _model("w1x3_packed", [[1, 3, 11]], budget_kind="packed")
+#: the shared tail: one own view per rank and a pool of two (1 fits beside either; 11 is over the budget)
+W2_POOL = dataclasses.replace(_model("w2x1_pool", [[3], [2]], policy="balanced"), pool=(1, 11))
+W2_POOL_PACKED = dataclasses.replace(_model("w2x1_pool_packed", [[3], [2]], policy="min", budget_kind="packed"),
+                                     pool=(1, 11))
 
 FULL = ODB + STRENGTHENING
 #: the CI slice: every invariant with its strengthening inductive on W=1 (every duplicate-free
@@ -128,6 +132,11 @@ CI_CHECKS = (
           why="|Q| + |B \\ H| <= D: a sample released from H but not emitted counts toward D again"),
     Check("drop_overflow_bug", W1, "held", FULL, "invariant:NoLeak", ("Rest <- MutRestDrop",),
           why="seeded bug: overflow dropped"),
+    Check("full_w2_pool_join", W2_POOL, "partition", FULL + PROGRESS,
+          why="W=2 with a pool of 2 views: every way of having claimed 0, 1 or 2 of them, every state of the "
+              "views each rank then has; the claims stay a partition of the claimed views (PoolOnce)"),
+    Check("claim_drop_bug", W2_POOL, "partition", FULL, "invariant:PoolOnce", ("ClaimWith <- MutClaimWithDrop",),
+          why="seeded bug: a claim advances the pool's cursor and deals its views to nobody"),
 )
 
 
@@ -158,4 +167,6 @@ def deep_checks() -> tuple[Check, ...]:
               "has over 10^6 states per rank, past TLC's set limit)"),
         Check("memory_w1x4", W1X4, "partition", ("TypeOK", "NoLeak", "DepthBound", "HeldOK"),
               why="the memory bound (DepthBound, HeldOK) needs only NoLeak with regroup on"),
+        Check("full_w2_pool_packed_join", W2_POOL_PACKED, "partition", FULL + PROGRESS,
+              why="the pool under the packed budget: its reserve and the hold of part-full groups for it"),
     )

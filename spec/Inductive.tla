@@ -18,7 +18,10 @@
 (*  "partition": R, Q, B, E partition the views (NoLeak built in, so W = 2 *)
 (*          stays small), H any subset of the views;                       *)
 (*  "held": a partition with H a subset of B (HeldOK's first half built in).*)
-(* The rest: rounds in 0..SumSeq(NV); consumed in 0..Quota (non-join; 0 in *)
+(* A pool (the shared tail): pc in 0..Len(Pool), each claimed view owned  *)
+(* by one rank, each rank's claims in increasing order (PoolOnce built in); *)
+(* a rank's views are then its own and its claims (Views, NVr).            *)
+(* The rest: rounds in 0..SumSeq(NV) + pc; consumed in 0..Quota (non-join; 0 in *)
 (* join mode); done = FALSE, lastStep = 0 and lastOut idle. Nothing reads  *)
 (* lastOut (Lockstep, BudgetOK and WithinCapacity constrain the successor, *)
 (* which does not depend on it) and nothing but QuotaClosure reads         *)
@@ -37,28 +40,33 @@ SeqsOf(S) == {<<>>} \cup UNION {{<<x>> \o s : s \in SeqsOf(S \ {x})} : x \in S}
 \* one rank's (next, Q, B, E, H)
 LocalStates(r) ==
     IF DomainMode = "free"
-    THEN {<<n, q, b, e, h>> : n \in 1..(NV[r] + 1), q \in SUBSET Views(r), b \in SeqsOf(Views(r)),
+    THEN {<<n, q, b, e, h>> : n \in 1..(NVr(r) + 1), q \in SUBSET Views(r), b \in SeqsOf(Views(r)),
                               e \in SUBSET Views(r), h \in SUBSET Views(r)}
     ELSE UNION {LET fetched == 1..(n - 1) IN
                 UNION {UNION {{<<n, q, b, (fetched \ q) \ Range(b), h>>
                                : b \in Arrangements(bs), h \in SUBSET (IF DomainMode = "held" THEN bs ELSE Views(r))}
                               : bs \in SUBSET (fetched \ q)}
                        : q \in SUBSET fetched}
-                : n \in 1..(NV[r] + 1)}
+                : n \in 1..(NVr(r) + 1)}
 
 RECURSIVE Product(_)
 Product(k) == IF k = 0 THEN {<<>>} ELSE {p \o <<x>> : p \in Product(k - 1), x \in LocalStates(k)}
 
+\* the elements of a finite set of integers in increasing order
+Ascending(S) == [i \in 1..Cardinality(S) |-> CHOOSE x \in S : Cardinality({y \in S : y < x}) = i - 1]
+
 Domain ==
-    /\ pc = 0  \* no shared tail in the inductive domains (bound first: Views reads claimed)
-    /\ claimed = [r \in Ranks |-> <<>>]
+    \* the shared tail (bound first: Views reads claimed): pc views claimed, each by one rank, in
+    \* increasing order per rank (PoolOnce built in); with no pool, pc = 0 and no claims
+    /\ pc \in 0..Len(Pool)
+    /\ \E owner \in [1..pc -> Ranks] : claimed = [r \in Ranks |-> Ascending({i \in 1..pc : owner[i] = r})]
     /\ \E ls \in Product(W) :
         /\ next = [r \in Ranks |-> ls[r][1]]
         /\ Q = [r \in Ranks |-> ls[r][2]]
         /\ B = [r \in Ranks |-> ls[r][3]]
         /\ E = [r \in Ranks |-> ls[r][4]]
         /\ H = [r \in Ranks |-> ls[r][5]]
-    /\ rounds \in 0..SumSeq(NV)
+    /\ rounds \in 0..(SumSeq(NV) + pc)
     /\ consumed \in (IF JoinMode THEN {0} ELSE 0..Quota)
     /\ lastStep = 0
     /\ lastOut = [r \in Ranks |-> <<>>]
@@ -82,10 +90,10 @@ QuotaOpen ==
 \* with regroup off nothing is ever held
 HeldOnlyWithRegroup == RegroupDen = 0 => \A r \in Ranks : H[r] = {}
 
-\* the invariants of ODB as one predicate, but PoolOnce (the domains hold no pool)
+\* the invariants of ODB as one predicate
 ODBInvariants ==
     /\ TypeOK /\ NoLeak /\ DepthBound /\ HeldOK /\ Lockstep /\ BudgetOK /\ WithinCapacity
-    /\ JoinCoverage /\ QuotaClosure /\ RoundBound /\ BRuleAdmissible
+    /\ JoinCoverage /\ QuotaClosure /\ RoundBound /\ BRuleAdmissible /\ PoolOnce
 Strengthening == RoundsEmitted /\ QuotaOpen /\ HeldOnlyWithRegroup
 
 \* The depth bound before holds were capped at D (for the record: not inductive).

@@ -4,8 +4,9 @@
 (* (mutants) a .cfg substitutes for ODB's operators. M1-M7 and F1 have a   *)
 (* twin in model_checks/mutants.py and must be caught by TLC and by the    *)
 (* hypothesis suite; M8's twin is tests/test_stream_properties.py's; F2    *)
-(* has none (the reach simulation catches it; the hunts catch the core's  *)
-(* own pool bugs, double-deal and drop-last-claim).                        *)
+(* and F3 have none (the reach simulation and the pooled inductiveness    *)
+(* check catch them; the hunts catch the core's own pool bugs,            *)
+(* double-deal and drop-last-claim).                                       *)
 (***************************************************************************)
 EXTENDS ODB
 
@@ -93,6 +94,9 @@ MutFillNoFallback(rm) ==
 MutClaimWithPrevOnly(c) ==
     /\ claimed' = [r \in Ranks |-> claimed[r] \o [i \in 1..c[r] |-> pc + (IF r > 1 THEN c[r - 1] ELSE 0) + i]]
     /\ pc' = pc + SumSeq(c)
+\* F3: a claim advances the pool's cursor without dealing its views to anyone (breaks
+\* PoolOnce at once; the pooled inductiveness check's seeded bug).
+MutClaimWithDrop(c) == claimed' = claimed /\ pc' = pc + SumSeq(c)
 \* Two ranks whose single samples fill the budget exactly (nothing is held back) and a pool.
 NV_2f == <<1, 1>>
 Len_2f == <<<<10>>, <<10>>>>
