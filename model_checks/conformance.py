@@ -532,6 +532,12 @@ def check_traces(traces: list[Trace]) -> tuple[set[int], set[int]]:
 #: mutants whose runs complete and can be replayed; max-groups trips the core's own
 #: wire check (a peer's step vector has the wrong length) before the bad step is traced.
 TRACEABLE_MUTANTS = ("no-cmin", "drop-overflow", "early-finish", "merge-overflow", "no-chain", "pack-overfill")
+#: what must reject each traced mutant (besides Step): the invariant its spec twin breaks; BRule,
+#: the recorded grouping is not the rule's; Step alone for the claim rules that only deal otherwise
+REJECTED_BY = {"no-cmin": "WithinCapacity", "drop-overflow": "NoLeak", "early-finish": "BRule",
+               "merge-overflow": "BudgetOK", "no-chain": "QuotaClosure", "pack-overfill": "BRule",
+               "double-deal": "PoolOnce", "drop-last-claim": "PoolOnce", "fill-least-room": "Step",
+               "fill-one-rank": "Step"}
 
 
 def clean_traces(count: int, seed: int = 0) -> list[Trace]:

@@ -83,6 +83,7 @@ def check(
         and conf["traces_accepted"] == conf["traces_checked"]
         and conf["mutant_traces_rejected"] == conf["mutant_traces"]
         and all(n == mutant_traces_each for n in conf["mutant_traces_found"].values())
+        and conf["mutant_traces_wrong_reason"] == 0
         and conf["state_space_equal"] is not False
         and (real is None or real["accepted"] == real["checked"])
         and (reach is None or reach["ok"])
@@ -192,10 +193,12 @@ def _conformance(picked: list[Any], traces: int, mutant_traces_each: int, say: _
             say(f"    {v.describe()}")
     names = [m for m, ts in per_mutant.items() for _ in ts]
     rejected_by: dict[str, list[str]] = {}
-    for m, v in zip(names, bad_verdicts):
+    wrong_reason = 0  # rejected, but not by the invariant the mutant's spec twin breaks
+    for m, v in zip(names, sorted(bad_verdicts, key=lambda v: v.index)):
         rejected_by.setdefault(m, [])
         if not v.accepted and ",".join(v.reasons) not in rejected_by[m]:
             rejected_by[m].append(",".join(v.reasons))
+        wrong_reason += not v.accepted and conformance.REJECTED_BY[m] not in v.reasons
     return {
         "traces_checked": len(clean),
         "traces_accepted": len(accepted),
@@ -203,6 +206,7 @@ def _conformance(picked: list[Any], traces: int, mutant_traces_each: int, say: _
         "trace_coverage": coverage,
         "mutant_traces_rejected_by": rejected_by,
         "mutant_traces_found": {m: len(ts) for m, ts in per_mutant.items()},  # each must reach the count asked
+        "mutant_traces_wrong_reason": wrong_reason,
         "mutant_traces": len(bad),
         "mutant_traces_rejected": len(rejected),
         "state_space_equal": all(s.states_equal and s.transitions_equal for s in spaces) if spaces else None,

@@ -192,25 +192,17 @@ def test_simulator_traces_replay_as_spec_behaviours():
     assert not rejected, [(v.describe(), traces[v.index].scenario, traces[v.index].schedule) for v in rejected[:3]]
 
 
-#: what rejects each mutant's traces besides Step: the invariant its spec twin breaks (BRule: the
-#: recorded grouping is not the rule's; the two claim rules that only deal otherwise: Step alone)
-REJECTED_BY = {"no-cmin": "WithinCapacity", "drop-overflow": "NoLeak", "early-finish": "BRule",
-               "merge-overflow": "BudgetOK", "no-chain": "QuotaClosure", "pack-overfill": "BRule",
-               "double-deal": "PoolOnce", "drop-last-claim": "PoolOnce", "fill-least-room": "Step",
-               "fill-one-rank": "Step"}
-
-
 def test_mutated_core_traces_are_rejected():
     """Every mutant's traces are rejected, each by the invariant its spec twin breaks."""
     per_mutant = conformance.mutant_traces(10)
-    assert set(per_mutant) == set(REJECTED_BY)
+    assert set(per_mutant) == set(conformance.REJECTED_BY)
     assert all(len(v) == 10 for v in per_mutant.values()), {k: len(v) for k, v in per_mutant.items()}
     traces = [t for ts in per_mutant.values() for t in ts]
     verdicts = {v.index: v for v in trace_validation.replay(traces, batch=TRACE_BATCH)}
     assert sorted(verdicts) == list(range(len(traces)))
     for k, t in enumerate(traces):
         v = verdicts[k]
-        assert not v.accepted and REJECTED_BY[t.scenario.mutant] in v.reasons, (t.scenario.mutant, v.reasons)
+        assert not v.accepted and conformance.REJECTED_BY[t.scenario.mutant] in v.reasons, (t.scenario.mutant, v.reasons)
 
 
 def test_odb_check_json_shape():
@@ -252,3 +244,16 @@ def test_odb_check_fails_when_a_mutant_yields_fewer_traces_than_asked(monkeypatc
     conf = out["conformance"]
     assert conf["mutant_traces_rejected"] == conf["mutant_traces"] > 0, conf  # every trace it got is rejected
     assert sorted(conf["mutant_traces_found"].values())[0] == 1 and out["ok"] is False
+
+
+def test_odb_check_fails_when_a_mutant_trace_is_rejected_for_another_reason(monkeypatch):
+    """``odb check`` counts a mutant trace as caught only if the invariant its spec twin breaks rejects
+    it (here every no-cmin trace is expected to break an invariant nothing checks)."""
+    from model_checks import report
+
+    monkeypatch.setitem(conformance.REJECTED_BY, "no-cmin", "NoSuchInvariant")
+    out = report.check(select="mutant_no_chain", traces=0, mutant_traces_each=2, hunt_examples=0,
+                       scenarios="join_1_best_fit")
+    conf = out["conformance"]
+    assert conf["mutant_traces_rejected"] == conf["mutant_traces"] and conf["mutant_traces_wrong_reason"] == 2
+    assert out["ok"] is False
