@@ -12,7 +12,9 @@ turn, ``--repeats`` times. Per data set it prints each loader's best pass: sampl
 ratio to ODB, when the first sample started loading and when the first batch arrived,
 padding, gather payload, CPU per sample (all of a rank's processes, start-up included),
 the dataset's ``__getitem__`` CPU per sample (measured where it runs, in the workers) and
-the cores kept busy (CPU per sample x samples/s). Then, side by side for both data sets
+the cores kept busy (CPU per sample x samples/s); for ODB also its CPU per sample by process
+(the trainer, the collate process, the DataLoader workers and their own work beyond
+``__getitem__``; from /proc, Linux only). Then, side by side for both data sets
 (``--data both``, the default): ODB's overhead per sample per rank once running (its
 steady-state seconds per sample per rank minus the plain loader's), the steady-state
 ratio (samples/s after the first batch, ODB / plain), the end-to-end ratio (best pass
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import resource
 import statistics
 import tempfile
@@ -126,6 +129,31 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+def _proc_stat(pid: int) -> tuple[int, float, float]:
+    """(parent pid, own CPU seconds, reaped children's CPU seconds) of a live process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / tick, (int(fields[13]) + int(fields[14])) / tick
+
+
+def odb_process_cpu() -> tuple[float, float]:
+    """CPU seconds so far of this rank's ODB collate process and of its DataLoader workers (live ones
+    from /proc, exited ones as the collate process's reaped children); (0, 0) without /proc."""
+    if not Path("/proc/self/stat").exists():
+        return 0.0, 0.0
+    table: dict[int, tuple[int, float, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if "resource_tracker" not in (entry / "cmdline").read_text():
+                    table[int(entry.name)] = _proc_stat(int(entry.name))
+            except OSError:  # gone meanwhile
+                continue
+    collate = [p for p, (parent, _, _) in table.items() if parent == os.getpid()]
+    workers = sum(own for parent, own, _ in table.values() if parent in collate)
+    return sum(table[p][1] for p in collate), workers + sum(table[p][2] for p in collate)
+
+
 def run_rank(rank: int, world: int, port: int, out: str, args: dict[str, Any]) -> None:
     if args["trainer_threads"]:
         torch.set_num_threads(args["trainer_threads"])
@@ -137,6 +165,9 @@ def run_rank(rank: int, world: int, port: int, out: str, args: dict[str, Any]) -
         dist.barrier()
         ds.take()
         t0, cpu0 = time.perf_counter(), cpu_seconds()
+        own0 = resource.getrusage(resource.RUSAGE_SELF)
+        trainer0 = own0.ru_utime + own0.ru_stime
+        split: dict[str, float] = {}
         samples = steps = real = padded = 0
         rounds: dict[int, int] = {}
         first = None
@@ -153,6 +184,10 @@ def run_rank(rank: int, world: int, port: int, out: str, args: dict[str, Any]) -
                     real += int((batch["input_ids"] != 0).sum())
                     padded += batch["input_ids"].numel()
             last = time.perf_counter() - t0
+            trainer = resource.getrusage(resource.RUSAGE_SELF)
+            split = {"trainer_cpu": trainer.ru_utime + trainer.ru_stime - trainer0, "collate_cpu": 0.0,
+                     "workers_cpu": 0.0}
+            split["collate_cpu"], split["workers_cpu"] = odb_process_cpu()
             loader.close()
         elif name == "reference":
             import odb
@@ -191,7 +226,7 @@ def run_rank(rank: int, world: int, port: int, out: str, args: dict[str, Any]) -
         res.setdefault(name, []).append({
             "seconds": seconds, "cpu": cpu, "first": first, "last": last, "samples": samples, "steps": steps,
             "real": real, "padded": padded, "getitem": getitem, "loaded": loaded,
-            "first_load": first_load - t0,
+            "first_load": first_load - t0, **split,
             "payload": sum(payload_bytes(t) for t in rounds.values()) / max(len(rounds), 1)})
     Path(out, f"{rank}.json").write_text(json.dumps(res))
     dist.destroy_process_group()
@@ -243,7 +278,11 @@ def run_data(a: argparse.Namespace, data: str) -> dict[str, float]:
                         "payload": rs[0]["payload"], "first": max(x["first"] for x in rs),
                         "first_load": max(x["first_load"] for x in rs),
                         "cpu": sum(x["cpu"] for x in rs) / samples * 1e6,
-                        "getitem": sum(x["getitem"] for x in rs) / max(sum(x["loaded"] for x in rs), 1) * 1e6})
+                        "getitem": sum(x["getitem"] for x in rs) / max(sum(x["loaded"] for x in rs), 1) * 1e6,
+                        # ODB only: CPU per sample by process (trainer, collate process, its workers)
+                        **{key: sum(x.get(key, 0.0) for x in rs) / samples * 1e6
+                           for key in ("trainer_cpu", "collate_cpu", "workers_cpu")},
+                        "getitem_total": sum(x["getitem"] for x in rs) / samples * 1e6})
         return out
 
     runs = {k: passes(k) for k in names}
@@ -268,6 +307,11 @@ def run_data(a: argparse.Namespace, data: str) -> dict[str, float]:
               "pairs": sorted(o["rate"] / p["rate"] for o, p in zip(runs["odb"], runs["plain"])),
               # pass by pass too: the machine's speed drifts, and both figures must come from one moment
               "ceilings": sorted(p["cpu"] / o["getitem"] for o, p in zip(runs["odb"], runs["plain"]))}
+    if odb["collate_cpu"]:
+        print(f"ODB CPU per sample per rank by process (best pass, us; from /proc, before the loader closes): "
+              f"trainer {odb['trainer_cpu']:.0f}, collate process {odb['collate_cpu']:.0f}, DataLoader workers "
+              f"{odb['workers_cpu']:.0f} (__getitem__ {odb['getitem_total']:.0f}, their own work "
+              f"{odb['workers_cpu'] - odb['getitem_total']:.0f})")
     if "reference" in agg:
         print(f"ODB / reference samples/s: {odb['rate'] / agg['reference']['rate']:.3f}")
     print()
