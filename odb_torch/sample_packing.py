@@ -142,12 +142,14 @@ def _tensor(buffer: torch.Tensor | bytes, dtype: torch.dtype) -> torch.Tensor:
 
 def unpack(chunk: PackedChunk) -> list[Any]:
     """Collate-process side: rebuild the samples, their tensors as views of the chunk's buffers
-    (one ``split`` per dtype makes every view of it at once)."""
+    (one split per dtype makes every view of it at once)."""
     parts = {dt: _tensor(b, dt).split_with_sizes(chunk.sizes[dt]) for dt, b in chunk.buffers.items()}
 
     def fill(x: Any) -> Any:
         if type(x) is _Slot:
-            part = parts[x.dtype][x.index]
+            # detached: a collate_fn may edit a sample in place, even with an operand that requires grad
+            # (autograd forbids that on the outputs of a split, which are views of one node)
+            part = parts[x.dtype][x.index].detach()
             return part if len(x.shape) == 1 else part.view(x.shape)
         return x
 

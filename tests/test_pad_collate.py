@@ -87,6 +87,11 @@ def test_sample_packing_round_trips_structure_values_and_dtypes():
         for key in ("input_ids", "pixel"):
             assert b[key].dtype == a[key].dtype and torch.equal(b[key], a[key])
         assert [(t.shape, t.tolist()) for t in b["meta"][1]] == [(t.shape, t.tolist()) for t in a["meta"][1]]
+    # a collate_fn may edit an unpacked sample in place, also with an operand that requires grad
+    back[0]["pixel"].add_(torch.ones(3, dtype=torch.float16, requires_grad=True))
+    back[1]["input_ids"][0] = -100
+    assert back[0]["pixel"].tolist() == [[2.0] * 3] * 2 and back[1]["input_ids"].tolist() == [-100, 10]
+    assert torch.equal(back[2]["input_ids"], torch.arange(0)), "an edit stays inside its own tensor"
 
 
 def test_a_field_longer_than_the_input_ids_is_a_value_error_naming_field_and_sample():
