@@ -184,10 +184,10 @@ def run_rank(rank: int, world: int, port: int, out: str, args: dict[str, Any]) -
                     real += int((batch["input_ids"] != 0).sum())
                     padded += batch["input_ids"].numel()
             last = time.perf_counter() - t0
-            trainer = resource.getrusage(resource.RUSAGE_SELF)
-            split = {"trainer_cpu": trainer.ru_utime + trainer.ru_stime - trainer0, "collate_cpu": 0.0,
-                     "workers_cpu": 0.0}
-            split["collate_cpu"], split["workers_cpu"] = odb_process_cpu()
+            own = resource.getrusage(resource.RUSAGE_SELF)
+            collate_cpu, workers_cpu = odb_process_cpu()
+            split = {"trainer_cpu": own.ru_utime + own.ru_stime - trainer0, "collate_cpu": collate_cpu,
+                     "workers_cpu": workers_cpu}
             loader.close()
         elif name == "reference":
             import odb

@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from model_checks.generated import PROGRESS_INVARIANTS, outcome, run_tlc
-from model_checks.tla import ODB_INVARIANTS, SPEC_DIR
-
-CFG_DIR = SPEC_DIR / "cfg"
+from model_checks.suites import CFG_DIR, MODULES, configs
+from model_checks.tla import ODB_INVARIANTS
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,7 @@ def quick_checks(names: tuple[str, ...] | None = None) -> tuple[ProgressCheck, .
     """Every quick configuration of module MC (or those named; the streams' included) with the
     progress invariants: must pass. The tail-resume and elastic configurations instance other
     modules (TailResume, Elastic) and check Termination instead."""
-    paths = sorted(CFG_DIR.glob("quick_*.cfg")) + sorted(CFG_DIR.glob("streams/quick_*.cfg"))
+    paths = [p for p in configs(("quick",), subfolders=True) if p.parent == CFG_DIR or MODULES[p.parent.name] == "MC"]
     return tuple(ProgressCheck(p.stem, p.relative_to(CFG_DIR).with_suffix("").as_posix()) for p in paths
                  if names is None or p.stem in names)
 

@@ -113,18 +113,16 @@ def _map_leaves(x: Any, leaf: Callable[[Any], Any]) -> Any:
 def pack(samples: list[Any]) -> PackedChunk:
     """Worker side (the DataLoader's collate_fn): pack a chunk's tensors per dtype."""
     pieces: dict[torch.dtype, list[torch.Tensor]] = {}
-    sizes: dict[torch.dtype, list[int]] = {}
 
     def strip(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.layout == torch.strided and x.device.type == "cpu":
-            if x.dtype not in pieces:
-                pieces[x.dtype], sizes[x.dtype] = [], []
-            pieces[x.dtype].append(x if x.dim() == 1 else x.reshape(-1))
-            sizes[x.dtype].append(x.numel())
-            return _Slot(x.dtype, len(sizes[x.dtype]) - 1, tuple(x.shape))
+            same = pieces.setdefault(x.dtype, [])
+            same.append(x if x.dim() == 1 else x.reshape(-1))
+            return _Slot(x.dtype, len(same) - 1, tuple(x.shape))
         return x
 
     skeletons = [_map_leaves(s, strip) for s in samples]
+    sizes = {dt: [t.numel() for t in ts] for dt, ts in pieces.items()}
     flat = {dt: torch.cat(ts) for dt, ts in pieces.items()}
     if sum(t.numel() * t.element_size() for t in flat.values()) <= INLINE_BYTES:
         return PackedChunk(skeletons, {dt: ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())

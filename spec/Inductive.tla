@@ -52,14 +52,11 @@ LocalStates(r) ==
 RECURSIVE Product(_)
 Product(k) == IF k = 0 THEN {<<>>} ELSE {p \o <<x>> : p \in Product(k - 1), x \in LocalStates(k)}
 
-\* the elements of a finite set of integers in increasing order
-Ascending(S) == [i \in 1..Cardinality(S) |-> CHOOSE x \in S : Cardinality({y \in S : y < x}) = i - 1]
-
 Domain ==
     \* the shared tail (bound first: Views reads claimed): pc views claimed, each by one rank, in
     \* increasing order per rank (PoolOnce built in); with no pool, pc = 0 and no claims
     /\ pc \in 0..Len(Pool)
-    /\ \E owner \in [1..pc -> Ranks] : claimed = [r \in Ranks |-> Ascending({i \in 1..pc : owner[i] = r})]
+    /\ \E owner \in [1..pc -> Ranks] : claimed = [r \in Ranks |-> SelectSeq([i \in 1..pc |-> i], LAMBDA i : owner[i] = r)]
     /\ \E ls \in Product(W) :
         /\ next = [r \in Ranks |-> ls[r][1]]
         /\ Q = [r \in Ranks |-> ls[r][2]]
