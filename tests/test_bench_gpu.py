@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import odb_torch
 from odb_core.errors import PackedAttentionError
@@ -27,9 +28,13 @@ def test_the_benchmark_model_keeps_packed_sequences_apart():
         odb_torch.check_packed_attention(Qwen2ForCausalLM(Qwen2Config(**tiny["model"])))
 
 
-def test_tiny_cpu_run_compares_four_methods_side_by_side(capsys):
-    assert bench_gpu.main(["--size", "tiny", "--device", "cpu", "--json"]) == 0
+def test_tiny_cpu_run_compares_four_methods_side_by_side(capsys, tmp_path):
+    rows_to = tmp_path / "rows.jsonl"
+    assert bench_gpu.main(["--size", "tiny", "--device", "cpu", "--json", "--rows-to", str(rows_to)]) == 0
     result = json.loads(capsys.readouterr().out)
+    streamed = [json.loads(line) for line in rows_to.read_text().splitlines()]
+    assert [r["method"] for r in streamed] == list(bench_gpu.METHODS)  # each row as its method finished
+    assert all(s["samples"] == r["samples"] for s, r in zip(streamed, result["rows"]))
     rows = {r["method"]: r for r in result["rows"]}
     assert list(rows) == list(bench_gpu.METHODS)
     for r in rows.values():
@@ -40,3 +45,22 @@ def test_tiny_cpu_run_compares_four_methods_side_by_side(capsys):
     assert rows["odb_packed"]["padding_fraction"] == 0.0
     assert rows["odb"]["padding_fraction"] < rows["standard"]["padding_fraction"]
     assert rows["standard"]["speedup_vs_standard"] == 1.0
+
+
+def test_a_method_that_runs_out_of_memory_is_reported_and_the_others_still_run(monkeypatch, capsys):
+    real_step = bench_gpu.training_step
+
+    def step_out_of_memory_on_padded_rows(model, opt, inputs):
+        if inputs["input_ids"].shape[0] > 1:  # Standard's padded batches; a packed row is one row
+            raise torch.OutOfMemoryError("seeded: CUDA out of memory")
+        real_step(model, opt, inputs)
+
+    monkeypatch.setattr(bench_gpu, "training_step", step_out_of_memory_on_padded_rows)
+    assert bench_gpu.main(["--size", "tiny", "--device", "cpu", "--methods", "standard,odb_packed", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    standard, packed = result["rows"]
+    assert standard["out_of_memory"] == {"step": 0, "shape": standard["out_of_memory"]["shape"]}
+    assert standard["out_of_memory"]["shape"][0] > 1 and standard["samples_per_second"] is None
+    assert packed["out_of_memory"] is None and packed["samples"] == result["samples"]
+    assert packed["speedup_vs_standard"] is None  # no ratio against a Standard that did not finish
+    assert "out of memory at step 1" in bench_gpu.table(result)

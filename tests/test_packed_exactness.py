@@ -2,7 +2,8 @@
 and Qwen2-style ``transformers`` model, float64, eval mode, gives the same per-token losses
 and the same parameter gradients as the same sequences run one by one (P7), for every
 attention implementation ``check_packed_attention`` accepts on CPU (eager, sdpa).
-``flex_attention`` is not run here: on CPU it has neither float64 nor backward.
+``flex_attention`` has neither float64 nor backward on CPU: on a GPU machine the same
+comparison runs in float32 for ``flex_attention`` and ``sdpa`` on CUDA (skipped elsewhere).
 
 Seeded bugs the same comparison catches: position ids that do not restart, a 2D attention
 mask (transformers then stops separating the sequences), a cache (``use_cache=True``) and
@@ -39,9 +40,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def tiny_model(family: str, impl: str) -> torch.nn.Module:
-    """A 2-layer model of ``family`` ("llama" or "qwen2") built from a config, float64, eval, no cache."""
-    kw = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+def tiny_model(family: str, impl: str, device: str = "cpu", dtype: torch.dtype = torch.float64,
+               hidden: int = 16) -> torch.nn.Module:
+    """A 2-layer model of ``family`` ("llama" or "qwen2") built from a config, ``dtype`` (float64),
+    eval, no cache, on ``device``."""
+    kw = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, use_cache=False, attn_implementation=impl)
     if family == "llama":
         config = transformers.LlamaConfig(**kw)
@@ -50,7 +53,7 @@ def tiny_model(family: str, impl: str) -> torch.nn.Module:
         config = transformers.Qwen2Config(**kw)
         cls = transformers.Qwen2ForCausalLM
     torch.manual_seed(0)
-    return cls(config).double().eval()
+    return cls(config).to(device=device, dtype=dtype).eval()
 
 
 def samples() -> list[dict[str, torch.Tensor]]:
@@ -80,16 +83,19 @@ def one_by_one(model: torch.nn.Module, group: list[dict]) -> tuple[torch.Tensor,
     parts, grads = [], None
     for k, s in enumerate(group):
         losses, g = token_losses(model, {"input_ids": s["input_ids"][None], "labels": s["labels"][None]})
-        parts.append(([torch.zeros(1, dtype=losses.dtype)] if k else []) + [losses])
+        parts.append(([torch.zeros(1, dtype=losses.dtype, device=losses.device)] if k else []) + [losses])
         grads = g if grads is None else grads + g
     assert grads is not None
     return torch.cat([t for p in parts for t in p]), grads
 
 
-def packed_vs_alone(family: str, impl: str, batch: dict | None = None, **forward: object) -> tuple[float, float]:
+def packed_vs_alone(family: str, impl: str, batch: dict | None = None, device: str = "cpu",
+                    dtype: torch.dtype = torch.float64, hidden: int = 16, **forward: object) -> tuple[float, float]:
     """Largest loss and gradient differences between the packed row and the sequences alone."""
-    model, group = tiny_model(family, impl), samples()
+    model = tiny_model(family, impl, device, dtype, hidden)
+    group = [{k: v.to(device) for k, v in s.items()} for s in samples()]
     batch = batch if batch is not None else packed_collate(group)
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     packed, packed_grad = token_losses(model, batch, **forward)
     alone, alone_grad = one_by_one(model, group)
     return float((packed - alone).abs().max()), float((packed_grad - alone_grad).abs().max())
@@ -100,6 +106,26 @@ def packed_vs_alone(family: str, impl: str, batch: dict | None = None, **forward
 def test_a_packed_row_gives_the_losses_and_gradients_of_its_sequences_alone(family, impl):
     loss_diff, grad_diff = packed_vs_alone(family, impl)
     assert loss_diff <= TOLERANCE[impl] and grad_diff <= TOLERANCE[impl], (loss_diff, grad_diff)
+
+
+#: float32 on a GPU: TF32 off, so the differences are float32 rounding over a 2-layer model
+GPU_TOLERANCE = 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: flex_attention has no backward on CPU "
+                    "(runs on a GPU machine)")
+@pytest.mark.parametrize("impl", ["flex_attention", "sdpa"])
+def test_on_a_gpu_a_packed_row_gives_the_losses_and_gradients_of_its_sequences_alone(impl):
+    tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
+    try:
+        exact = packed_vs_alone("qwen2", impl, device="cuda", dtype=torch.float32, hidden=64)  # head_dim 16 for flex
+        batch = packed_collate(samples())
+        batch["position_ids"] = torch.arange(batch["input_ids"].shape[1])[None]  # seeded bug: no restart
+        bug = packed_vs_alone("qwen2", impl, batch, device="cuda", dtype=torch.float32, hidden=64)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    print(impl, "packed vs alone (loss, grad):", exact, "seeded bug:", bug)
+    assert max(exact) <= GPU_TOLERANCE and bug[0] > BUG_EFFECT, (exact, bug)
 
 
 def test_the_packed_row_counts_each_samples_shifted_loss_tokens():

