@@ -120,6 +120,22 @@ class PackedAttentionError(ODBError, ValueError):
         self.model_class, self.attn_implementation = model_class, attn_implementation
 
 
+class ODBWarning(UserWarning):
+    """Base class of ODB's warnings: what it warns of is correct, but not what the user meant
+    or costs more than it has to."""
+
+
+class PackedAttentionCostWarning(ODBWarning):
+    """Packed rows under ``eager`` or ``sdpa`` on an accelerator: the sequences stay apart (a
+    dense ``L_max x L_max`` mask), but attention then costs the square of the row, not the sum
+    of the sequences' squares (0.54x the padded budget's samples/s on an H200,
+    ``docs/packing.md``); ``model_class`` and ``attn_implementation`` name the combination."""
+
+    def __init__(self, message: str = "", *, model_class: str = "", attn_implementation: str = "") -> None:
+        super().__init__(message)
+        self.model_class, self.attn_implementation = model_class, attn_implementation
+
+
 class CheckpointStateError(ODBError, ValueError):
     """A checkpoint lacks ODB's loader state for this rank, or holds one that does not fit
     this run (rank, world size, seed, accumulation steps); names the file."""

@@ -11,13 +11,14 @@ Whether the model honours them depends on its attention implementation:
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import default_collate
 
-from odb_core.errors import InvalidSampleError, PackedAttentionError
+from odb_core.errors import InvalidSampleError, PackedAttentionCostWarning, PackedAttentionError
 
 IGNORE_INDEX = -100
 
@@ -82,6 +83,9 @@ def check_packed_attention(model: torch.nn.Module) -> str | None:
     ``eager``, ``sdpa``, ``flex_attention`` when the model builds its mask with
     ``transformers.masking_utils.create_causal_mask`` and ``config.use_cache`` is False (a
     cache, even an empty one, switches the per-sequence mask off). Anything else is refused.
+    ``eager`` and ``sdpa`` on a model whose parameters are off the CPU also warn
+    (:class:`~odb_core.errors.PackedAttentionCostWarning`): their dense mask costs the square
+    of the row.
     A module holding no ``transformers`` model returns ``None``: its attention is the caller's.
     """
     hf = _transformers_model(model)
@@ -109,7 +113,21 @@ def check_packed_attention(model: torch.nn.Module) -> str | None:
             "forward switches off the per-sequence mask, so packed sequences would attend to each other; "
             "set model.config.use_cache = False for training",
             model_class=name, attn_implementation=impl)
+    device = _off_cpu(model)
+    if impl != "flex_attention" and device is not None:
+        warnings.warn(PackedAttentionCostWarning(
+            f"{name} with attn_implementation={impl!r} on {device}: packed rows stay apart, but through a dense "
+            "L_max x L_max mask, so attention costs the square of the row; 'flash_attention_2' or 'flex_attention' "
+            "cost the sum of the sequences' squares (or use budget='padded')",
+            model_class=name, attn_implementation=impl), stacklevel=2)
     return impl
+
+
+def _off_cpu(model: torch.nn.Module) -> str | None:
+    """The device type of ``model``'s first parameter when it is not the CPU (an accelerator,
+    or ``meta`` before one); ``None`` on the CPU or without parameters."""
+    first = next(iter(model.parameters()), None)
+    return None if first is None or first.device.type == "cpu" else first.device.type
 
 
 def _transformers_model(model: torch.nn.Module) -> Any:

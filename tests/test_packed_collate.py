@@ -4,12 +4,14 @@ sequences attend to each other (tests/test_packed_exactness.py compares the loss
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from odb_core.errors import ODBError, PackedAttentionError
+from odb_core.errors import ODBError, ODBWarning, PackedAttentionCostWarning, PackedAttentionError
 from odb_torch import check_packed_attention, packed_collate
 from odb_torch.losses import shifted_loss_tokens
 
@@ -122,6 +124,28 @@ def test_an_unknown_attention_implementation_is_refused_and_a_plain_module_is_th
     with pytest.raises(PackedAttentionError, match="Qwen2ForCausalLM.*'my_kernel'"):
         check_packed_attention(model)
     assert check_packed_attention(torch.nn.Embedding(VOCAB, 4)) is None
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa", "flex_attention", "flash_attention_2"])
+def test_a_dense_mask_off_the_cpu_is_accepted_with_a_cost_warning(impl):
+    """eager and sdpa keep packed sequences apart through a dense L_max x L_max mask: on the
+    CPU silently, off it (here the meta device, where a model waits for its accelerator) with
+    a PackedAttentionCostWarning naming the combination; flex and flash kernels skip the mask."""
+    model = tiny_model("qwen2", "sdpa")
+    model.config._attn_implementation = impl
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning on the CPU
+        assert check_packed_attention(model) == impl
+    model.to("meta")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert check_packed_attention(model) == impl
+    costs = [w.message for w in caught if isinstance(w.message, PackedAttentionCostWarning)]
+    if impl in ("eager", "sdpa"):
+        assert len(costs) == 1 and "on meta" in str(costs[0]) and isinstance(costs[0], ODBWarning)
+        assert (costs[0].model_class, costs[0].attn_implementation) == ("Qwen2ForCausalLM", impl)
+    else:
+        assert costs == []
 
 
 def test_other_fields_are_collated_and_a_carried_mask_is_left_out():
