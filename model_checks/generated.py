@@ -25,7 +25,7 @@ from model_checks.tla import SPEC_DIR, jar_path, java
 #: spec/Progress.tla
 PROGRESS_INVARIANTS = ("QuiescentProgress", "IterationProgress")
 #: the modules a generated model may extend
-SPEC_MODULES = ("ODB.tla", "MC.tla", "Progress.tla", "Reach.tla", "Inductive.tla")
+SPEC_MODULES = ("ODB.tla", "MC.tla", "Progress.tla", "Reach.tla", "Inductive.tla", "TailResume.tla", "Elastic.tla")
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -5,7 +5,10 @@ that is not done), so P6 had only the liveness check. QuiescentProgress and
 IterationProgress are state predicates that fail on a stuck protocol; each quick
 configuration is re-run safety-only with them (its cfg, SPECIFICATION replaced by
 INIT/NEXT), and seeded bugs (:data:`BUGS`) must violate them, while TLC's deadlock
-check stays silent on the same bug (``deadlock_check_blind``).
+check stays silent on the same bug (``deadlock_check_blind``). The resumed runs of the
+tail-resume and elastic configurations (modules TailResume, Elastic: ODB from a resumed
+initial state) are checked the same way, in a module extending both theirs and Progress
+(:func:`module_text`), with ``ResumeExactlyOnce`` too.
 """
 
 from __future__ import annotations
@@ -31,6 +34,13 @@ class ProgressCheck:
     substitute: tuple[str, ...] = ()
     invariants: tuple[str, ...] = ODB_INVARIANTS + PROGRESS_INVARIANTS
     why: str = ""
+
+    @property
+    def module(self) -> str:
+        """``Progress``, or for a resumed run's configuration ``Progress<its module>``."""
+        folder = self.base.split("/", 1)[0] if "/" in self.base else ""
+        resumed = MODULES.get(folder, "MC")
+        return "Progress" if resumed == "MC" else f"Progress{resumed}"
 
 
 @dataclass
@@ -64,10 +74,18 @@ def derived_cfg(base: Path, substitute: tuple[str, ...], invariants: tuple[str, 
     return "\n".join(lines) + "\nINIT Init\nNEXT Next\nINVARIANTS " + " ".join(invariants) + "\n"
 
 
+def module_text(module: str) -> dict[str, str]:
+    """The wrapper module a resumed run's check runs in (none for ``Progress`` itself)."""
+    if module == "Progress":
+        return {}
+    return {f"{module}.tla": f"---- MODULE {module} ----\nEXTENDS {module.removeprefix('Progress')}, Progress\n====\n"}
+
+
 def run_progress(c: ProgressCheck, workers: int = 1, timeout: float = 1800) -> ProgressResult:
-    """TLC (breadth-first, deadlock check on) on module Progress with the derived cfg."""
+    """TLC (breadth-first, deadlock check on) on module Progress (or a resumed run's wrapper)
+    with the derived cfg."""
     cfg = derived_cfg(CFG_DIR / f"{c.base}.cfg", c.substitute, c.invariants)
-    text, seconds = run_tlc("Progress", cfg, {}, (), workers=workers, timeout=timeout)
+    text, seconds = run_tlc(c.module, cfg, module_text(c.module), (), workers=workers, timeout=timeout)
     found = re.findall(r"([\d,]+) distinct states found", text)
     return ProgressResult(c, outcome(text), int(found[-1].replace(",", "")) if found else 0, seconds, text)
 
@@ -86,6 +104,12 @@ BUGS = (
     ProgressCheck("fill_no_fallback", "mutant_fill_no_fallback", "invariant:QuiescentProgress",
                   why="the packed reserve dealt only to a rank with room: ranks whose groups all went out full "
                       "never claim the pool again"),
+    ProgressCheck("tail_resume_no_flush", "tail/quick_tail_resume_2", "invariant:QuiescentProgress",
+                  ("Status <- MutStatusNoFlush",), ODB_INVARIANTS + ("ResumeExactlyOnce",) + PROGRESS_INVARIANTS,
+                  why="a pooled epoch's resumed run whose drained rank never flushes its part-filled buffer"),
+    ProgressCheck("elastic_finished_blocks", "elastic/quick_resume_3_to_2", "invariant:QuiescentProgress",
+                  ("Target <- MutTargetFinishedBlocks",), ODB_INVARIANTS + ("ResumeExactlyOnce",) + PROGRESS_INVARIANTS,
+                  why="an elastic resume on 2 ranks whose target waits for a finished rank"),
     ProgressCheck("deadlock_check_blind", "quick_join_3_uneven", "ok", ("Target <- MutTargetFinishedBlocks",),
                   ODB_INVARIANTS,
                   why="the same stuck protocol without the progress invariants: TLC reports no deadlock"),
@@ -93,16 +117,22 @@ BUGS = (
 
 #: quick configurations checked with the progress invariants in CI (the rest with --deep)
 CI_QUICK = ("quick_join_2x4_regroup", "quick_join_3_empty_rank", "quick_nonjoin_3_uneven_balanced",
-            "quick_nonjoin_2x4_packed", "quick_join_2_pool_packed", "quick_join_3_empty_stream")
+            "quick_nonjoin_2x4_packed", "quick_join_2_pool_packed", "quick_join_3_empty_stream",
+            "quick_tail_resume_2", "quick_resume_3_to_2")
 
 
 def quick_checks(names: tuple[str, ...] | None = None) -> tuple[ProgressCheck, ...]:
-    """Every quick configuration of module MC (or those named; the streams' included) with the
-    progress invariants: must pass. The tail-resume and elastic configurations instance other
-    modules (TailResume, Elastic) and check Termination instead."""
-    paths = [p for p in configs(("quick",), subfolders=True) if p.parent == CFG_DIR or MODULES[p.parent.name] == "MC"]
-    return tuple(ProgressCheck(p.stem, p.relative_to(CFG_DIR).with_suffix("").as_posix()) for p in paths
-                 if names is None or p.stem in names)
+    """Every quick configuration (or those named), the streams', tail resumes' and elastic
+    resumes' included, with the progress invariants (and ``ResumeExactlyOnce`` for a resumed
+    run): must pass."""
+    checks = []
+    for p in configs(("quick",), subfolders=True):
+        base = p.relative_to(CFG_DIR).with_suffix("").as_posix()
+        resumed = p.parent != CFG_DIR and MODULES[p.parent.name] != "MC"
+        extra = ("ResumeExactlyOnce",) if resumed else ()
+        if names is None or p.stem in names:
+            checks.append(ProgressCheck(p.stem, base, invariants=ODB_INVARIANTS + extra + PROGRESS_INVARIANTS))
+    return tuple(checks)
 
 
 def deep_checks() -> tuple[ProgressCheck, ...]:

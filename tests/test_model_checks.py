@@ -257,3 +257,20 @@ def test_odb_check_fails_when_a_mutant_trace_is_rejected_for_another_reason(monk
     conf = out["conformance"]
     assert conf["mutant_traces_rejected"] == conf["mutant_traces"] and conf["mutant_traces_wrong_reason"] == 2
     assert out["ok"] is False
+
+
+def test_progress_checks_reach_every_module_with_a_seeded_bug_in_each_resumed_one():
+    """The progress invariants run on every quick configuration, the resumed runs' modules
+    (TailResume, Elastic) included, each in CI, and each resumed module has a stuck protocol
+    they must catch."""
+    from model_checks import progress
+
+    quick = progress.quick_checks()
+    assert {c.name for c in quick} == {p.stem for p in configs(("quick",), subfolders=True)}
+    ci = progress.quick_checks(progress.CI_QUICK)
+    assert len(ci) == len(progress.CI_QUICK)
+    modules = {"Progress", "ProgressTailResume", "ProgressElastic"}
+    assert {c.module for c in ci} == modules
+    assert {c.module for c in progress.BUGS if c.expected != "ok"} == modules
+    for c in quick:
+        assert ("ResumeExactlyOnce" in c.invariants) == (c.module != "Progress"), c.name
