@@ -54,6 +54,8 @@ class Model:
     """the shared tail's pool: its views' lengths (``Pool``; join only); () is none"""
     reserve_divisor: int = 8
     """``ReserveDiv`` (the core's ``reserve_divisor``), a constant only with a pool"""
+    stream: bool = False
+    """each rank's views a stream (``StreamOn <- StreamsOn``): its count unknown until a fetch passes it"""
 
     @property
     def world(self) -> int:
@@ -81,7 +83,7 @@ class Model:
             "depth": self.depth, "capacity": self.capacity,
             "mode": "join" if self.join else "non-join", "policy": self.policy, "overflow": self.overflow,
             "regroup": f"{self.regroup[0]}/{self.regroup[1]}" if self.regroup[1] else "off",
-            "pool": len(self.pool), "reserve_divisor": self.reserve_divisor,
+            "pool": len(self.pool), "reserve_divisor": self.reserve_divisor, "stream": self.stream,
         }
 
 
@@ -135,7 +137,8 @@ def model_module(name: str, extends: str, m: Model, extra: str = "") -> str:
 
 
 def constants_cfg(name: str, m: Model) -> str:
-    return "CONSTANTS\n" + "".join(f"    {k} <- {name}_{k}\n" for k in m.constants())
+    stream = "    StreamOn <- StreamsOn\n" if m.stream else ""
+    return "CONSTANTS\n" + "".join(f"    {k} <- {name}_{k}\n" for k in m.constants()) + stream
 
 
 def parallel(fn: Callable[[T], R], items: Iterable[T], jobs: int | None = None) -> list[R]:

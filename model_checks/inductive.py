@@ -59,6 +59,7 @@ class InductiveResult:
             "name": c.name, "domain": c.domain, "world": c.model.world,
             "views_per_rank": [len(x) for x in c.model.lengths], "mode": "join" if c.model.join else "non-join",
             "regroup": f"{c.model.regroup[0]}/{c.model.regroup[1]}" if c.model.regroup[1] else "off",
+            "stream": c.model.stream,
             "candidate": list(c.candidate), "substitute": list(c.substitute), "expected": c.expected,
             "result": self.outcome, "passed": self.passed, "initial_states": self.initial_states,
             "distinct_states": self.distinct_states, "seconds": round(self.seconds, 2), "why": c.why,
@@ -106,6 +107,8 @@ W1_SINGLES = _model("w1x4_singles", [[1, 1, 10, 10]])
 W1_PACKED = _model("w1x3_packed", [[1, 3, 11]], budget_kind="packed")
 #: the shared tail: one own view per rank and a pool of two (1 fits beside either; 11 is over the budget)
 W2_POOL = dataclasses.replace(_model("w2x1_pool", [[3], [2]], policy="balanced"), pool=(1, 11))
+#: streams: each rank's count unknown until a fetch passes its end (next up to NV + 2)
+W2_STREAM = dataclasses.replace(_model("w2x2_stream", [[1, 3], [2, 11]], policy="balanced"), stream=True)
 W2_POOL_PACKED = dataclasses.replace(_model("w2x1_pool_packed", [[3], [2]], policy="min", budget_kind="packed"),
                                      pool=(1, 11))
 
@@ -135,6 +138,11 @@ CI_CHECKS = (
     Check("full_w2_pool_join", W2_POOL, "partition", FULL + PROGRESS,
           why="W=2 with a pool of 2 views: every way of having claimed 0, 1 or 2 of them, every state of the "
               "views each rank then has; the claims stay a partition of the claimed views (PoolOnce)"),
+    Check("full_w2_stream_join", W2_STREAM, "partition", FULL + PROGRESS,
+          why="W=2 streams: every state of a rank that has or has not found its stream's end"),
+    Check("stream_end_early_bug", W2_STREAM, "partition", FULL, "invariant:NoLeak",
+          ("StreamFetched <- MutStreamEndEarly",),
+          why="seeded bug (M8): the fetch that finds the end leaves the stream's last view out"),
     Check("claim_drop_bug", W2_POOL, "partition", FULL, "invariant:PoolOnce", ("ClaimWith <- MutClaimWithDrop",),
           why="seeded bug: a claim advances the pool's cursor and deals its views to nobody"),
 )

@@ -21,6 +21,8 @@
 (* A pool (the shared tail): pc in 0..Len(Pool), each claimed view owned  *)
 (* by one rank, each rank's claims in increasing order (PoolOnce built in); *)
 (* a rank's views are then its own and its claims (Views, NVr).            *)
+(* A stream (StreamOn): next also NV+2 (the end known), the views fetched *)
+(* being 1..NV then as at NV+1 (fetched up to the end, the end unknown).   *)
 (* The rest: rounds in 0..SumSeq(NV) + pc; consumed in 0..Quota (non-join; 0 in *)
 (* join mode); done = FALSE, lastStep = 0 and lastOut idle. Nothing reads  *)
 (* lastOut (Lockstep, BudgetOK and WithinCapacity constrain the successor, *)
@@ -37,17 +39,20 @@ RECURSIVE SeqsOf(_)
 \* duplicate-free sequences over S
 SeqsOf(S) == {<<>>} \cup UNION {{<<x>> \o s : s \in SeqsOf(S \ {x})} : x \in S}
 
+\* next's range: past the end, and for a stream also the end known (NV + 2)
+NextRange(r) == 1..(NVr(r) + IF StreamOn THEN 2 ELSE 1)
+
 \* one rank's (next, Q, B, E, H)
 LocalStates(r) ==
     IF DomainMode = "free"
-    THEN {<<n, q, b, e, h>> : n \in 1..(NVr(r) + 1), q \in SUBSET Views(r), b \in SeqsOf(Views(r)),
+    THEN {<<n, q, b, e, h>> : n \in NextRange(r), q \in SUBSET Views(r), b \in SeqsOf(Views(r)),
                               e \in SUBSET Views(r), h \in SUBSET Views(r)}
-    ELSE UNION {LET fetched == 1..(n - 1) IN
+    ELSE UNION {LET fetched == 1..(IF n - 1 > NVr(r) THEN NVr(r) ELSE n - 1) IN
                 UNION {UNION {{<<n, q, b, (fetched \ q) \ Range(b), h>>
                                : b \in Arrangements(bs), h \in SUBSET (IF DomainMode = "held" THEN bs ELSE Views(r))}
                               : bs \in SUBSET (fetched \ q)}
                        : q \in SUBSET fetched}
-                : n \in 1..(NVr(r) + 1)}
+                : n \in NextRange(r)}
 
 RECURSIVE Product(_)
 Product(k) == IF k = 0 THEN {<<>>} ELSE {p \o <<x>> : p \in Product(k - 1), x \in LocalStates(k)}

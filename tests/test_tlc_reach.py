@@ -103,6 +103,7 @@ def test_invariants_are_inductive_and_the_strengthening_is_needed():
     assert {r.check.model.world for r in positive} == {1, 2}
     assert {r.check.model.join for r in positive} == {True, False}
     assert any(r.check.model.pool for r in positive), "a domain with a shared tail's pool (PoolOnce, the claims)"
+    assert any(r.check.model.stream for r in positive), "a domain of streams (next up to NV + 2: the end known)"
     # a counterexample to induction is one step from the domain (depth 2)
     for r in results:
         if r.check.expected != "ok":
