@@ -64,3 +64,14 @@ def test_a_method_that_runs_out_of_memory_is_reported_and_the_others_still_run(m
     assert packed["out_of_memory"] is None and packed["samples"] == result["samples"]
     assert packed["speedup_vs_standard"] is None  # no ratio against a Standard that did not finish
     assert "out of memory at step 1" in bench_gpu.table(result)
+
+
+def test_batch_size_sets_the_fixed_batches_and_attn_the_models_attention(capsys):
+    assert bench_gpu.main(["--size", "tiny", "--device", "cpu", "--methods", "standard,sorted", "--batch-size", "4",
+                           "--attn", "eager", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["fixed_batch_size"] == 4 and result["attn_implementation"] == "eager"
+    for r in result["rows"]:  # 32 samples in batches of 4 (the tiny size's default would be 3)
+        assert r["steps"] == -(-result["samples"] // 4) and r["samples"] == result["samples"], r["method"]
+    model = bench_gpu.build_model({**bench_gpu.SIZES["tiny"], "attn_implementation": "eager"}, "cpu", 0)
+    assert model.config._attn_implementation == "eager"
