@@ -290,7 +290,16 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join([head, "", *lines])
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an int of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: not a positive batch size")
+    return value
+
+
 def _table_row(r: dict[str, Any]) -> str:
+    """One method's Markdown row: its figures and ratios, or where it ran out of memory."""
     if r["out_of_memory"] is not None:
         oom = r["out_of_memory"]
         return (f"| {r['method']} | out of memory at step {oom['step'] + 1}, batch {oom['shape']} | | "
@@ -310,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-length", type=int, default=None, help="the cut-off (default: the size's)")
     p.add_argument("--buffer-size", type=int, default=None)
     p.add_argument("--workers", type=int, default=None, help="DataLoader workers of every method")
-    p.add_argument("--batch-size", type=int, default=None,
+    p.add_argument("--batch-size", type=_positive, default=None,
                    help="Standard's and Sorted's batch size (default: ODB's expected samples per step; "
                         "L_max // max-length bounds their worst batch by L_max, as ODB's)")
     p.add_argument("--attn", default=None, choices=("sdpa", "eager", "flex_attention", "flash_attention_2"),

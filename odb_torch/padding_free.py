@@ -74,7 +74,7 @@ def packed_collate(samples: Sequence[Mapping[str, Any]], label_pad_id: int = IGN
             "cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone(), "max_length_q": longest, "max_length_k": longest}
 
 
-def check_packed_attention(model: torch.nn.Module) -> str | None:
+def check_packed_attention(model: torch.nn.Module, device: str | torch.device | None = None) -> str | None:
     """Raise :class:`~odb_core.errors.PackedAttentionError` when ``model`` (a ``transformers``
     model, or a module holding one) would let the samples of a packed row attend to each
     other; return its attention implementation when it keeps them apart.
@@ -83,9 +83,9 @@ def check_packed_attention(model: torch.nn.Module) -> str | None:
     ``eager``, ``sdpa``, ``flex_attention`` when the model builds its mask with
     ``transformers.masking_utils.create_causal_mask`` and ``config.use_cache`` is False (a
     cache, even an empty one, switches the per-sequence mask off). Anything else is refused.
-    ``eager`` and ``sdpa`` on a model whose parameters are off the CPU also warn
-    (:class:`~odb_core.errors.PackedAttentionCostWarning`): their dense mask costs the square
-    of the row.
+    ``eager`` and ``sdpa`` also warn (:class:`~odb_core.errors.PackedAttentionCostWarning`)
+    when the model trains off the CPU: ``device`` (where it will train; an adapter passes its
+    own) or else where its parameters are. Their dense mask costs the square of the row.
     A module holding no ``transformers`` model returns ``None``: its attention is the caller's.
     """
     hf = _transformers_model(model)
@@ -113,10 +113,10 @@ def check_packed_attention(model: torch.nn.Module) -> str | None:
             "forward switches off the per-sequence mask, so packed sequences would attend to each other; "
             "set model.config.use_cache = False for training",
             model_class=name, attn_implementation=impl)
-    device = _off_cpu(model)
-    if impl != "flex_attention" and device is not None:
+    where = _off_cpu(model) if device is None else torch.device(device).type
+    if impl != "flex_attention" and where not in (None, "cpu"):
         warnings.warn(PackedAttentionCostWarning(
-            f"{name} with attn_implementation={impl!r} on {device}: packed rows stay apart, but through a dense "
+            f"{name} with attn_implementation={impl!r} on {where}: packed rows stay apart, but through a dense "
             "L_max x L_max mask, so attention costs the square of the row; 'flash_attention_2' or 'flex_attention' "
             "cost the sum of the sequences' squares (or use budget='padded')",
             model_class=name, attn_implementation=impl), stacklevel=2)
@@ -161,13 +161,15 @@ def budget_of(loader_kwargs: Mapping[str, Any]) -> str:
     return str(getattr(loader_kwargs.get("config"), "budget", "padded"))
 
 
-def adapter_defaults(model: torch.nn.Module | None, loader_kwargs: dict[str, Any]) -> None:
+def adapter_defaults(model: torch.nn.Module | None, loader_kwargs: dict[str, Any],
+                     device: str | torch.device | None = None) -> None:
     """What a trainer adapter does with its loader keywords: ``collate_fn`` defaults to
     :func:`packed_collate` under the packed budget (``pad_collate`` otherwise), and a
-    ``model`` that would let packed sequences attend to each other is refused before training."""
+    ``model`` that would let packed sequences attend to each other is refused before training
+    (:func:`check_packed_attention`, with ``device``, where the model will train)."""
     from odb_torch.collate import pad_collate
 
     packed = budget_of(loader_kwargs) == "packed"
     loader_kwargs.setdefault("collate_fn", packed_collate if packed else pad_collate)
     if packed and model is not None:
-        check_packed_attention(model)
+        check_packed_attention(model, device)

@@ -16,6 +16,7 @@
 set -uo pipefail
 OUT=${OUT:-results/gpu}
 mkdir -p "$OUT"
+: >"$OUT/gpu.txt"; : >"$OUT/errors.txt"; : >"$OUT/bench_rows.jsonl"; : >"$OUT/bench_flex_rows.jsonl"  # a rerun starts clean
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [[ ${GPU_FIGURES_DRY:-0} == 1 ]]; then

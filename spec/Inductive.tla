@@ -34,6 +34,9 @@ EXTENDS Progress
 
 CONSTANT DomainMode   \* "free", "partition" or "held" (partition with H a subset of B)
 
+\* a stream's fetch skips claimed views (next jumps to NV + 2): no domain has both
+ASSUME ~(StreamOn /\ Pool # <<>>)
+
 Arrangements(S) == {f \in [1..Cardinality(S) -> S] : Range(f) = S}
 RECURSIVE SeqsOf(_)
 \* duplicate-free sequences over S

@@ -5,6 +5,7 @@ sequences attend to each other (tests/test_packed_exactness.py compares the loss
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -140,12 +141,24 @@ def test_a_dense_mask_off_the_cpu_is_accepted_with_a_cost_warning(impl):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert check_packed_attention(model) == impl
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # where it will train, when given, decides: here the CPU
+            assert check_packed_attention(model, "cpu") == impl
     costs = [w.message for w in caught if isinstance(w.message, PackedAttentionCostWarning)]
     if impl in ("eager", "sdpa"):
         assert len(costs) == 1 and "on meta" in str(costs[0]) and isinstance(costs[0], ODBWarning)
         assert (costs[0].model_class, costs[0].attn_implementation) == ("Qwen2ForCausalLM", impl)
     else:
-        assert costs == []
+        assert costs == []  # flex and flash kernels skip the mask (flash returns before the device matters)
+
+
+def test_accelerate_checks_the_cost_on_the_accelerators_device():
+    """A CPU model that Accelerate will move to its device: the warning names that device."""
+    from odb_torch.integrations.accelerate import prepare
+
+    with pytest.warns(PackedAttentionCostWarning, match="on meta"), pytest.raises(AcceleratorUntilPrepare.Stop):
+        prepare(AcceleratorUntilPrepare("meta"), tiny_model("qwen2", "sdpa"), None, samples(), token_budget=64,
+                budget="packed")
 
 
 def test_other_fields_are_collated_and_a_carried_mask_is_left_out():
@@ -154,17 +167,35 @@ def test_other_fields_are_collated_and_a_carried_mask_is_left_out():
     assert batch["idx"].tolist() == [4, 2] and "attention_mask" not in batch
 
 
-def refuse_hf(model: torch.nn.Module, tmp: str) -> None:
+class AcceleratorUntilPrepare:
+    """An accelerator that only has a device: ``prepare`` stops the adapter (these tests end
+    at the model check, which runs before it)."""
+
+    class Stop(Exception):
+        pass
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def prepare(self, *objects: object) -> None:
+        raise self.Stop
+
+
+def refuse_hf(model: torch.nn.Module, tmp: str, use_cache: bool = True) -> Any:
+    """Trainer sets ``model.config.use_cache = args.use_cache`` at init (default False), so the
+    adapter checks the model after that: here the arguments keep the cache on."""
     from odb_torch.integrations.hf import ODBTrainer
 
-    args = transformers.TrainingArguments(output_dir=tmp, use_cpu=True, report_to=[], warmup_steps=0.1)
-    ODBTrainer(model=model, args=args, train_dataset=samples(), token_budget=64, odb_kwargs={"budget": "packed"})
+    args = transformers.TrainingArguments(output_dir=tmp, use_cpu=True, report_to=[], warmup_steps=0.1,
+                                          use_cache=use_cache)
+    return ODBTrainer(model=model, args=args, train_dataset=samples(), token_budget=64,
+                      odb_kwargs={"budget": "packed"})
 
 
 def refuse_accelerate(model: torch.nn.Module, tmp: str) -> None:
     from odb_torch.integrations.accelerate import prepare
 
-    prepare(None, model, None, samples(), token_budget=64, budget="packed")  # checked before the accelerator
+    prepare(AcceleratorUntilPrepare(), model, None, samples(), token_budget=64, budget="packed")  # checked first
 
 
 def refuse_lightning(model: torch.nn.Module, tmp: str) -> None:
@@ -180,6 +211,15 @@ def test_each_adapter_checks_the_model_before_training_packed_rows(start, tmp_pa
     model.config.use_cache = True
     with pytest.raises(PackedAttentionError, match="LlamaForCausalLM.*sdpa.*use_cache"):
         start(model, str(tmp_path))
+
+
+def test_the_hf_trainer_turns_the_cache_off_before_the_check(tmp_path):
+    """With TrainingArguments' default use_cache=False the Trainer switches the model's cache
+    off at init, so the same model is accepted and its packed rows stay apart."""
+    model = tiny_model("llama", "sdpa")
+    model.config.use_cache = True
+    trainer = refuse_hf(model, str(tmp_path), use_cache=False)
+    assert trainer.model.config.use_cache is False and separated(trainer.model)
 
 
 def test_the_budget_keyword_reaches_the_config_through_from_dataloader_and_picks_the_adapters_collate():

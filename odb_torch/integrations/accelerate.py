@@ -64,7 +64,7 @@ def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Opt
 
     Under ``budget="packed"`` a model that would let packed sequences attend to each other is
     refused first (:class:`~odb_core.errors.PackedAttentionError`)."""
-    adapter_defaults(model, loader_kwargs)
+    adapter_defaults(model, loader_kwargs, accelerator.device)
     model, optimizer = accelerator.prepare(model, optimizer)
     windows = AccumulationWindows(odb_loader(accelerator, dataset, token_budget=token_budget, **loader_kwargs),
                                   accumulation_steps, pad_last_window=pad_last_window)

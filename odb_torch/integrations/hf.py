@@ -39,7 +39,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from odb_core.errors import LossTokenMismatchError
 from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import causal_lm_loss_sum, logits_of, shifted_loss_tokens
-from odb_torch.padding_free import VARLEN_KEYS, adapter_defaults
+from odb_torch.padding_free import VARLEN_KEYS, adapter_defaults, budget_of, check_packed_attention
 from odb_torch.schedule import ProgressLR
 from odb_torch.windows import AccumulationWindows, MicroBatch, load_windows_state, save_windows_state
 
@@ -157,7 +157,8 @@ class ODBTrainer(Trainer):
             :func:`~odb_torch.losses.shifted_loss_tokens`, ``collate_fn`` to the
             ``data_collator`` (default :func:`~odb_torch.pad_collate`; under ``budget="packed"``
             :func:`~odb_torch.packed_collate`, and a model that would let packed sequences attend
-            to each other is refused: :func:`~odb_torch.check_packed_attention`).
+            to each other is refused: :func:`~odb_torch.check_packed_attention`, run once
+            ``Trainer`` has applied ``args.use_cache``, default False, and knows the device).
         loss_sum_fn: ``(model, inputs) -> (summed token loss, token count)``; the count must
             equal the loader's ``loss_tokens_fn`` summed over the batch, else
             :class:`~odb_core.errors.LossTokenMismatchError`. Default: causal-LM shifted
@@ -195,7 +196,7 @@ class ODBTrainer(Trainer):
         self.odb_kwargs = odb_kwargs
         if collator is not None:
             odb_kwargs.setdefault("collate_fn", collator)
-        adapter_defaults(model, odb_kwargs)
+        adapter_defaults(None, odb_kwargs)  # the collate; the model is checked once its device is known
         self.odb_collate = odb_kwargs.pop("collate_fn")
         self.odb_loss_sum_fn: LossSumFn = loss_sum_fn or causal_lm_loss
         self.odb_warmup_samples = warmup_samples
@@ -212,6 +213,8 @@ class ODBTrainer(Trainer):
         # step-count stop never fires before the data ends; the callback stops training
         run_args.max_steps = self.odb_total_samples + math.ceil(training_args.num_train_epochs) + 1
         super().__init__(model, run_args, **kwargs)
+        if budget_of(odb_kwargs) == "packed" and model is not None:  # refused, or warned of its cost on a GPU
+            check_packed_attention(model, self.args.device)
         self.loss_is_scaled_for_ga = True  # compute_loss already normalises over the window
         self.remove_callback(ProgressCallback)
         if not run_args.disable_tqdm:
