@@ -9,7 +9,8 @@
 #      worst batch within L_max, as ODB's every step; ODB's mean samples per step, the
 #      default, ran out of memory on the H200);
 #   3. odb tune on the same model, padded and packed budgets, for an 80 GiB card;
-#   4. ODB padded and packed again under flex_attention (it compiles per shape: the slowest).
+#   4. ODB packed and padded again under flex_attention, 1,024 samples (it compiles per shape:
+#      the slowest; packed first, the row it is for).
 # Each step has its own time limit; bench rows land in $OUT as each method finishes, so a
 # step cut off by its limit keeps what it finished. $OUT defaults to results/gpu.
 # GPU_FIGURES_DRY=1 runs the same steps at the tiny size on CPU (a check of this script).
@@ -52,7 +53,7 @@ print({k: r[k] for k in ('token_budget', 'next_budget', 'limit_bytes')}, [(b['to
       b['peak_bytes']) for b in r['budgets']])" "$OUT/tune_$budget.json"
 done
 SECONDS=0
-timeout 90 $PY benchmarks/bench_gpu.py "${BENCH[@]}" "${FLEX[@]}" --methods odb,odb_packed \
+timeout 90 $PY benchmarks/bench_gpu.py "${BENCH[@]}" "${FLEX[@]}" --methods odb_packed,odb --samples 1024 \
   --rows-to "$OUT/bench_flex_rows.jsonl" >/dev/null 2>>"$OUT/errors.txt"
 echo "bench_gpu ${FLEX[*]}: exit $? after $SECONDS s"
 cat "$OUT/bench_flex_rows.jsonl"
