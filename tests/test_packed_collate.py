@@ -93,7 +93,7 @@ def test_the_check_accepts_exactly_the_cpu_combinations_that_keep_sequences_apar
 
 def test_flash_attention_is_accepted_whatever_the_cache():
     """Flash kernels read the boundaries from cu_seq_lens / position_ids (read from the code:
-    transformers.modeling_flash_attention_utils; no GPU here to run them)."""
+    transformers.modeling_flash_attention_utils; not run: no flash-attn here)."""
     model = tiny_model("llama", "sdpa")
     model.config.use_cache = True
     model.config._attn_implementation = "flash_attention_2"
