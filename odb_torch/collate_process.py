@@ -15,6 +15,7 @@ hanging. With ``ODB_TRACE_DIR`` set, each rank appends the driver's trace events
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import json
 import math
@@ -57,6 +58,10 @@ MAX_CHUNK = 64
 """At most this many consecutive sampler views are loaded and shipped as one packed chunk."""
 TRACE_ENV = "ODB_TRACE_DIR"
 """Set to a directory to trace every rank's protocol events there (off by default)."""
+STACK_SIGNAL = signal.SIGUSR1
+"""The trainer sends this to a live collate process that stayed silent past its deadline: the
+process writes every thread's stack to stderr (``faulthandler``) before it is stopped, so a
+hang says where it was."""
 WORKER_CHECK = 5.0
 """Seconds between checks of the DataLoader workers while waiting for a chunk (a dead one is
 reported then; a stuck one once ``timeout`` seconds have passed)."""
@@ -175,6 +180,9 @@ class CollateServer:
         self._prepare(cmd)
         # a worker's death (SIGCHLD) is reported after the rendezvous, as a SampleLoadError
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+        # not past its first handshake by the timeout (at which a peer's gather fails): the
+        # threads' stacks go to stderr, so a rank that joined the group but never gathered says where
+        faulthandler.dump_traceback_later(spec.timeout)
         try:
             store, self.pg = _collate_group(spec)
         except Exception as exc:
@@ -490,6 +498,8 @@ class CollateServer:
         except Exception as exc:  # gloo raises RuntimeError subclasses on peer death and timeouts
             raise PeerError(f"rank {self.spec.rank}: the {what} all_gather of the collate group failed "
                             f"(a peer rank died or exceeded the timeout): {exc}", rank=self.spec.rank) from None
+        if what == "handshake":  # every rank got this far: serve's start-up watchdog is done
+            faulthandler.cancel_dump_traceback_later()
         return rows
 
     def _encode(self, item: Reply) -> bytes:
@@ -577,6 +587,7 @@ def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any) -> None:
     uncollected): what this process allocates is collected as usual."""
     gc.freeze()
     gc.enable()
+    faulthandler.register(STACK_SIGNAL, all_threads=True)
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

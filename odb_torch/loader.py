@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import queue
 import signal
 import time
@@ -21,7 +22,7 @@ from odb_core.epoch import EpochDriver
 from odb_core.errors import CollateProcessError, LoaderStateError, PeerError, UnsupportedSettingError
 from odb_core.sampler import pool_size
 from odb_core.tail import TailPosition
-from odb_torch.collate_process import CollateSpec, collate_main
+from odb_torch.collate_process import STACK_SIGNAL, CollateSpec, collate_main
 from odb_torch.elastic import (
     ElasticEpoch,
     ElasticOrder,
@@ -456,10 +457,12 @@ class ODBDataLoader:
                 if not self._proc.is_alive():
                     self._fail(self._death())
                 if time.monotonic() > deadline:
+                    self._dump_collate_stacks()
                     self._fail(PeerError(
                         f"rank {self.rank}: no batch for {self.timeout * SILENCE_GRACE:.0f}s from a live collate "
                         "process: a peer rank is stalled or gone, or this rank's collate_fn (or, with "
-                        "num_workers=0, its __getitem__) is stuck", rank=self.rank))
+                        "num_workers=0, its __getitem__) is stuck; the collate process's threads' stacks "
+                        "are on stderr", rank=self.rank))
                 continue
             self._heard = True
             try:
@@ -470,6 +473,15 @@ class ODBDataLoader:
                     self._fail(self._death())
                 self._fail(CollateProcessError(f"rank {self.rank}: a message of the collate process cannot be "
                                                f"unpickled here: {type(exc).__name__}: {exc}", rank=self.rank))
+
+    def _dump_collate_stacks(self) -> None:
+        """Ask the live collate process to write its threads' stacks to stderr (it registered
+        ``faulthandler`` for :data:`~odb_torch.collate_process.STACK_SIGNAL`); the dump runs in
+        its signal handler, before :meth:`close` stops it."""
+        try:
+            os.kill(self._proc.pid, STACK_SIGNAL)
+        except (OSError, TypeError):  # gone meanwhile, or never started
+            pass
 
     def _death(self) -> CollateProcessError:
         """Why the collate process died, as far as this process can tell."""

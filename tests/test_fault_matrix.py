@@ -25,6 +25,8 @@ from fault_support import BAD, fault_rank_main
 from test_torch_loader import run_ranks
 from torch_support import check_real_traces, describe, wait_for_no_leftovers
 
+from odb_torch.ports import free_port
+
 pytestmark = pytest.mark.timeout(300)
 
 T = 10  # the loaders' timeout (s)
@@ -112,7 +114,7 @@ def test_fault_is_a_typed_error_on_every_rank_in_bounded_time_leaving_nothing(
 
 
 SCRIPT = '''
-import os, signal, sys
+import os, signal, sys, threading
 import torch
 from torch.utils.data import Dataset
 from odb_torch import ODBDataLoader, pad_collate
@@ -123,6 +125,8 @@ class Lines(Dataset):
     def __len__(self):
         return 60
     def __getitem__(self, i):
+        if HOW == "stuck" and i == 5:
+            threading.Event().wait()  # a load that never returns
         return {"input_ids": torch.arange(1 + i % 17)}
 
 def big_collate(samples):
@@ -131,8 +135,14 @@ def big_collate(samples):
 
 def main(how):
     global loader
+    options = {"num_workers": 1, "timeout": 20}
+    if how == "stuck":  # the collate process itself loads (and hangs); the trainer gives up after 2 x 2 s
+        options = {"num_workers": 0, "timeout": 2}
+    if how == "alone":  # rank 0 of 2, whose peer never comes: the rendezvous waits out its 3 s
+        options = {"num_workers": 0, "timeout": 3, "rank": 0, "world_size": 2,
+                   "init_method": "tcp://127.0.0.1:" + os.environ["ODB_TEST_PORT"]}
     loader = ODBDataLoader(Lines(), token_budget=64, collate_fn=big_collate if how in ("crash", "break") else pad_collate,
-                           num_workers=1, timeout=20, start_method=os.environ["ODB_TEST_START"])  # never closed
+                           start_method=os.environ["ODB_TEST_START"], **options)  # never closed
     for k, batch in enumerate(loader):
         if how == "crash" and k == 2:
             print("crashing", flush=True)
@@ -159,7 +169,8 @@ def run_script(tmp_path: Path, how: str, start: str, timeout: float = 90) -> tup
     path = tmp_path / "train.py"
     path.write_text(SCRIPT)
     tag = uuid.uuid4().hex
-    env = {**os.environ, "ODB_TEST_TAG": tag, "OMP_NUM_THREADS": "1", "ODB_TEST_START": start}
+    env = {**os.environ, "ODB_TEST_TAG": tag, "OMP_NUM_THREADS": "1", "ODB_TEST_START": start,
+           "ODB_TEST_PORT": str(free_port(1))}
     args = [sys.executable, "-"] if how == "stdin" else [sys.executable, str(path), how]
     proc = subprocess.Popen(args, stdin=path.open() if how == "stdin" else subprocess.DEVNULL, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -195,6 +206,20 @@ def test_script_exits_promptly_whatever_ends_it(how, start, code, needle, tmp_pa
     assert returncode == code and needle in out, out[-3000:]
     assert time.monotonic() - started < 60, "exit took longer than the bound"
     assert not semaphores_left(out), out[-3000:]
+
+
+@pytest.mark.parametrize(("how", "frame", "error"), [
+    ("stuck", "in __getitem__", "PeerError: rank 0: no batch for 4s"),  # the trainer's deadline: SIGUSR1
+    ("alone", "in _collate_group", "collate group rendezvous"),  # the collate process's start-up watchdog
+])
+def test_a_hang_leaves_the_collate_process_stacks_on_stderr(how, frame, error, tmp_path):
+    """A collate process stuck in a load (the trainer's deadline passes) or before its first
+    handshake (its start-up watchdog fires at the timeout) writes every thread's stack to
+    stderr before it is stopped: the hang says where it was; the trainer's error is typed."""
+    returncode, out = run_script(tmp_path, how, "auto")
+    assert returncode == 1 and error in out, out[-3000:]
+    assert "most recent call first" in out, f"no stack dump:\n{out[-3000:]}"
+    assert frame in out[out.index("most recent call first"):], out[-3000:]
 
 
 def semaphores_left(out: str) -> int:
