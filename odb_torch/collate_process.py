@@ -182,7 +182,7 @@ class CollateServer:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         # not past its first handshake by the timeout (at which a peer's gather fails): the
         # threads' stacks go to stderr, so a rank that joined the group but never gathered says where
-        faulthandler.dump_traceback_later(spec.timeout)
+        _stack_dumps(faulthandler.dump_traceback_later, spec.timeout)
         try:
             store, self.pg = _collate_group(spec)
         except Exception as exc:
@@ -554,6 +554,16 @@ class CollateServer:
             self._trace_file = None
 
 
+def _stack_dumps(arm: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+    """Arm a ``faulthandler`` stack dump to file descriptor 2, this process's stderr whatever
+    ``sys.stderr`` is (a notebook's or pytest's has no descriptor, and faulthandler then
+    raises); a diagnostic that cannot be armed is skipped, never an error."""
+    try:
+        arm(*args, file=2, **kwargs)
+    except (OSError, ValueError, RuntimeError):
+        pass
+
+
 def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any) -> None:
     """Process entry point: serve epochs until told to stop (:class:`CollateServer`).
 
@@ -587,7 +597,7 @@ def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any) -> None:
     uncollected): what this process allocates is collected as usual."""
     gc.freeze()
     gc.enable()
-    faulthandler.register(STACK_SIGNAL, all_threads=True)
+    _stack_dumps(faulthandler.register, STACK_SIGNAL, all_threads=True)
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

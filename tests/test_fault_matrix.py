@@ -222,6 +222,27 @@ def test_a_hang_leaves_the_collate_process_stacks_on_stderr(how, frame, error, t
     assert frame in out[out.index("most recent call first"):], out[-3000:]
 
 
+def test_the_loader_runs_where_sys_stderr_has_no_descriptor(monkeypatch):
+    """A notebook's or pytest's ``sys.stderr`` has no file descriptor (faulthandler refuses
+    it): the forked collate process still starts, its stack dumps armed on descriptor 2, and
+    the epoch is whole (P4)."""
+    import io
+
+    import torch
+
+    from odb_torch import ODBDataLoader, pad_collate
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    data = [{"input_ids": torch.arange(1 + i % 5)} for i in range(24)]
+    loader = ODBDataLoader(data, token_budget=16, collate_fn=pad_collate, num_workers=0, world_size=1, rank=0,
+                           timeout=60, start_method="fork")
+    try:
+        seen = sorted(i for _ in loader for i in loader.step_info.indices)
+    finally:
+        loader.close()
+    assert seen == list(range(24))
+
+
 def semaphores_left(out: str) -> int:
     """Semaphores the resource tracker found still registered at shutdown, less those it then
     found already unlinked (ENOENT: the owner removed it and the tracker's bookkeeping lagged,
