@@ -58,10 +58,10 @@ MAX_CHUNK = 64
 """At most this many consecutive sampler views are loaded and shipped as one packed chunk."""
 TRACE_ENV = "ODB_TRACE_DIR"
 """Set to a directory to trace every rank's protocol events there (off by default)."""
-STACK_SIGNAL = signal.SIGUSR1
+STACK_SIGNAL: signal.Signals | None = getattr(signal, "SIGUSR1", None)
 """The trainer sends this to a live collate process that stayed silent past its deadline: the
 process writes every thread's stack to stderr (``faulthandler``) before it is stopped, so a
-hang says where it was."""
+hang says where it was (None where the platform has no SIGUSR1: no such dump)."""
 WORKER_CHECK = 5.0
 """Seconds between checks of the DataLoader workers while waiting for a chunk (a dead one is
 reported then; a stuck one once ``timeout`` seconds have passed)."""
@@ -597,7 +597,8 @@ def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any) -> None:
     uncollected): what this process allocates is collected as usual."""
     gc.freeze()
     gc.enable()
-    _stack_dumps(faulthandler.register, STACK_SIGNAL, all_threads=True)
+    if STACK_SIGNAL is not None:
+        _stack_dumps(faulthandler.register, STACK_SIGNAL, all_threads=True)
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

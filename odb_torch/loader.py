@@ -478,6 +478,8 @@ class ODBDataLoader:
         """Ask the live collate process to write its threads' stacks to stderr (it registered
         ``faulthandler`` for :data:`~odb_torch.collate_process.STACK_SIGNAL`); the dump runs in
         its signal handler, before :meth:`close` stops it."""
+        if STACK_SIGNAL is None:
+            return
         try:
             os.kill(self._proc.pid, STACK_SIGNAL)
         except (OSError, TypeError):  # gone meanwhile, or never started
