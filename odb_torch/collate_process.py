@@ -265,12 +265,19 @@ class CollateServer:
         self._open_trace(cmd)
         try:
             facts = {**sampler_facts(self.sampler, spec.dataset), "first_step": cmd.first_step}
-            driver.check_hello(self._gather(driver.hello(facts), "handshake"))
+            self._handshake(driver, facts)
             ended = self._rounds(driver)
         finally:
             self._flush_trace(driver)
         if not ended:
             self._put(EpochEnd(cmd.epoch))
+
+    def _handshake(self, driver: EpochDriver, facts: dict[str, object]) -> None:
+        """The epoch's handshake: a typed error unless every rank runs the same protocol fields
+        and ``facts`` (P8). Once gathered, every rank got this far: serve's start-up watchdog ends."""
+        gathered = self._gather(driver.hello(facts), "handshake")
+        faulthandler.cancel_dump_traceback_later()
+        driver.check_hello(gathered)
 
     def _rounds(self, driver: EpochDriver) -> bool:
         """The epoch's rounds; True if this rank's loop already got its :class:`EpochEnd`."""
@@ -498,8 +505,6 @@ class CollateServer:
         except Exception as exc:  # gloo raises RuntimeError subclasses on peer death and timeouts
             raise PeerError(f"rank {self.spec.rank}: the {what} all_gather of the collate group failed "
                             f"(a peer rank died or exceeded the timeout): {exc}", rank=self.spec.rank) from None
-        if what == "handshake":  # every rank got this far: serve's start-up watchdog is done
-            faulthandler.cancel_dump_traceback_later()
         return rows
 
     def _encode(self, item: Reply) -> bytes:

@@ -336,8 +336,7 @@ class StreamServer(CollateServer):
         self._ids, self._seen = {}, dict(zip(cmd.consumed_ids, cmd.skip))
         self._open_trace(cmd)
         try:
-            driver.check_hello(self._gather(driver.hello({"stream": True, "first_step": cmd.first_step}),
-                                            "handshake"))
+            self._handshake(driver, {"stream": True, "first_step": cmd.first_step})
             ended = self._stream_rounds(driver)
         finally:
             self._flush_trace(driver)
