@@ -191,6 +191,39 @@ def default_loss_tokens(sample: Any, length: int) -> int:
     return length
 
 
+def _countable_labels(sample: Any) -> torch.Tensor | None:
+    """``sample``'s ``labels`` if :func:`label_counts` counts them (a plain CPU tensor of a real,
+    non-bool dtype), else None (:func:`default_loss_tokens` counts those one by one)."""
+    if not isinstance(sample, dict):
+        return None
+    labels = sample.get("labels")
+    if (type(labels) is not torch.Tensor or labels.layout != torch.strided or labels.device.type != "cpu"
+            or labels.dtype.is_complex or labels.dtype == torch.bool):
+        return None
+    return labels
+
+
+def label_counts(samples: list[Any]) -> list[int | None]:
+    """Per sample, what :func:`default_loss_tokens` counts (labels != -100) for tensor
+    ``labels``, with a few tensor operations per dtype for the whole chunk instead of three
+    per sample (about 4 us per sample saved on the chat data); None where it does not apply."""
+    counts: list[int | None] = [None] * len(samples)
+    by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
+    for k, sample in enumerate(samples):
+        labels = _countable_labels(sample)
+        if labels is not None:
+            by_dtype.setdefault(labels.dtype, []).append((k, labels.reshape(-1)))
+    for rows in by_dtype.values():
+        bounds = [0]
+        for _, row in rows:
+            bounds.append(bounds[-1] + row.shape[0])
+        kept = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cat([r for _, r in rows]).ne(-100).cumsum(0)])
+        at = kept[torch.tensor(bounds)].tolist()
+        for j, (k, _) in enumerate(rows):
+            counts[k] = at[j + 1] - at[j]
+    return counts
+
+
 def as_count(value: object) -> int | None:
     """``value`` as an int if it is an integer (a Python or NumPy int, or a one-element
     integer tensor), else None. Floats, strings, bools and None are not counts."""
@@ -223,8 +256,9 @@ class Packer:
     def _invalid(self, index: int, problem: str) -> InvalidSampleError:
         return InvalidSampleError(f"rank {self.rank}: sample {index} {problem}", rank=self.rank, indices=(index,))
 
-    def measure(self, sample: Any, index: int) -> tuple[int, int]:
-        """(length, loss tokens) of one sample; raises :class:`InvalidSampleError` naming it."""
+    def measure(self, sample: Any, index: int, labels: int | None = None) -> tuple[int, int]:
+        """(length, loss tokens) of one sample; raises :class:`InvalidSampleError` naming it.
+        ``labels``: the default loss-token count, counted already (:func:`label_counts`)."""
         try:
             raw = (self.length_fn or default_length)(sample)
         except Exception as exc:
@@ -235,7 +269,7 @@ class Packer:
                                        "int >= 0")
         try:
             raw = (self.loss_tokens_fn(sample) if self.loss_tokens_fn is not None
-                   else default_loss_tokens(sample, length))
+                   else labels if labels is not None else default_loss_tokens(sample, length))
         except Exception as exc:
             raise self._invalid(index, f"has no loss-token count ({type(exc).__name__}: {exc})") from None
         tokens = as_count(raw)
@@ -252,7 +286,9 @@ class Packer:
             for _, sample in items:
                 if isinstance(sample, LoadFailed):
                     raise sample.error
-            measures = [self.measure(sample, index) for index, sample in items]
+            counted = (label_counts([sample for _, sample in items]) if self.loss_tokens_fn is None
+                       else [None] * len(items))
+            measures = [self.measure(sample, index, n) for (index, sample), n in zip(items, counted)]
         except ODBError as exc:
             return PackedChunk([], {}, error=exc)
         chunk = pack([sample for _, sample in items])

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from odb_core import InvalidSampleError, SampleLoadError
-from odb_torch.sample_packing import IndexedDataset, Packer, as_count
+from odb_torch.sample_packing import IndexedDataset, Packer, as_count, default_loss_tokens, label_counts
 
 VALUES = st.one_of(
     st.integers(-5, 5000), st.floats(allow_nan=True), st.text(max_size=4), st.none(), st.booleans(),
@@ -100,3 +100,41 @@ def test_too_many_default_loss_tokens_name_the_labels_not_a_function_never_passe
     chunk = Packer(rank=0)([(4, {"input_ids": [1, 2], "labels": [1, 2, 3]})])
     assert isinstance(chunk.error, InvalidSampleError) and "labels" in str(chunk.error)
     assert "loss_tokens_fn" not in str(chunk.error)
+
+
+LABEL_ROWS = st.tuples(
+    st.lists(st.sampled_from([-100, -1, 0, 1, 7, 100]), max_size=9),
+    st.sampled_from([torch.int64, torch.int32, torch.int16, torch.float32, torch.float64, torch.bool]),
+    st.sampled_from(["flat", "column", "list", "none", "strided"]),
+)
+
+
+def _labels(row: list[int], dtype: torch.dtype, shape: str) -> object:
+    if shape == "list":
+        return list(row)
+    t = torch.tensor(row, dtype=dtype)
+    if shape == "column":
+        return t.reshape(-1, 1)
+    if shape == "strided":  # a non-contiguous view: every other label of a longer row
+        return torch.stack([t, torch.full_like(t, -100)], dim=1)[:, 0]
+    return t
+
+
+@given(rows=st.lists(LABEL_ROWS, max_size=12))
+def test_the_chunk_wide_label_count_is_the_default_count_of_every_sample(rows):
+    """``label_counts`` (a few tensor operations per chunk) gives each sample exactly what
+    ``default_loss_tokens`` counts one by one (labels != -100, P7's loss tokens), for any mix of
+    dtypes, shapes, empty rows and non-contiguous views in one chunk, and None for samples it
+    leaves to the per-sample count (lists, no labels, bool)."""
+    samples = [{"input_ids": list(range(9))} if shape == "none" else
+               {"input_ids": list(range(9)), "labels": _labels(row, dtype, shape)} for row, dtype, shape in rows]
+    counts = label_counts(samples)
+    for sample, got in zip(samples, counts):
+        labels = sample.get("labels")
+        if isinstance(labels, torch.Tensor) and labels.dtype != torch.bool:
+            assert got == default_loss_tokens(sample, 9) and type(got) is int
+        else:
+            assert got is None
+    chunk = Packer(rank=0)(list(enumerate(samples)))
+    if chunk.error is None:  # the default count of every sample, whichever way it was counted
+        assert chunk.measures == [(9, default_loss_tokens(s, 9)) for s in samples]
