@@ -154,6 +154,71 @@ def odb_process_cpu() -> tuple[float, float]:
     return sum(table[p][1] for p in collate), workers + sum(table[p][2] for p in collate)
 
 
+class Tally:
+    """What one pass of a loader yields on one rank: steps, samples, real and padded tokens."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0, self.first, self.last = t0, 0.0, 0.0
+        self.samples = self.steps = self.real = self.padded = 0
+        self.rounds: dict[int, int] = {}
+
+    def add(self, batch: Any, samples: int) -> None:
+        """Count one step of ``samples`` samples (0: an idle step, whose tokens do not count)."""
+        self.first = self.first or time.perf_counter() - self.t0
+        self.steps += 1
+        if samples:
+            self.samples += samples
+            self.real += int((batch["input_ids"] != 0).sum())
+            self.padded += batch["input_ids"].numel()
+
+    def end(self) -> None:
+        """The pass's last batch is in (before its loader closes)."""
+        self.last = time.perf_counter() - self.t0
+
+
+def odb_pass(ds: TimedDataset, args: dict[str, Any], port: int, tally: Tally) -> dict[str, float]:
+    """One epoch of ODBDataLoader; ODB's CPU seconds by process (trainer, collate process, workers)."""
+    own0 = resource.getrusage(resource.RUSAGE_SELF)
+    loader = ODBDataLoader(ds, token_budget=args["budget"], collate_fn=pad, num_workers=args["workers"],
+                           buffer_size=args["buffer"], init_method=f"tcp://127.0.0.1:{port}")
+    for batch in loader:
+        info = loader.step_info
+        tally.rounds[info.round] = tally.rounds.get(info.round, 0) + 1
+        tally.add(batch, 0 if info.is_idle else info.local_samples)
+    tally.end()
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    collate_cpu, workers_cpu = odb_process_cpu()
+    loader.close()  # after the reading above: the split is of the epoch, before the loader closes
+    return {"trainer_cpu": own.ru_utime + own.ru_stime - own0.ru_utime - own0.ru_stime, "collate_cpu": collate_cpu,
+            "workers_cpu": workers_cpu}
+
+
+def reference_pass(ds: TimedDataset, args: dict[str, Any], rank: int, world: int, tally: Tally) -> None:
+    """One epoch of the reference package's loader (installed only with ``[bench]``)."""
+    import odb
+
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=False)
+    ref = odb.ODBDataLoader(ds, token_budget=args["budget"], batch_size=1, sampler=sampler, collate_fn=pad,
+                            num_workers=args["workers"], prefetch_factor=2, buffer_size=args["buffer"],
+                            loss_scaling="exact", join=True)
+    for batch in ref:
+        info = odb.pop_step_info(batch, loss_scaling="exact")
+        n = int(batch["input_ids"].shape[0])
+        tally.add(batch, n if n and int(info.local_batch_size if hasattr(info, "local_batch_size") else n) else 0)
+    tally.end()
+    del ref
+
+
+def plain_pass(ds: TimedDataset, args: dict[str, Any], rank: int, world: int, tally: Tally) -> None:
+    """One epoch of a plain DataLoader with fixed batches over a DistributedSampler."""
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=False)
+    plain = DataLoader(ds, batch_size=args["batch_size"], sampler=sampler, collate_fn=pad,
+                       num_workers=args["workers"], prefetch_factor=2, multiprocessing_context=args["plain_start"])
+    for batch in plain:
+        tally.add(batch, batch["input_ids"].shape[0])
+    tally.end()
+
+
 def run_rank(rank: int, world: int, port: int, out: str, args: dict[str, Any]) -> None:
     if args["trainer_threads"]:
         torch.set_num_threads(args["trainer_threads"])
@@ -165,75 +230,28 @@ def run_rank(rank: int, world: int, port: int, out: str, args: dict[str, Any]) -
         dist.barrier()
         ds.take()
         t0, cpu0 = time.perf_counter(), cpu_seconds()
-        own0 = resource.getrusage(resource.RUSAGE_SELF)
-        trainer0 = own0.ru_utime + own0.ru_stime
-        split: dict[str, float] = {}
-        samples = steps = real = padded = 0
-        rounds: dict[int, int] = {}
-        first = None
+        tally, split = Tally(t0), {}
         if name == "odb":
-            loader = ODBDataLoader(ds, token_budget=args["budget"], collate_fn=pad, num_workers=args["workers"],
-                                   buffer_size=args["buffer"], init_method=f"tcp://127.0.0.1:{port + 1 + k}")
-            for batch in loader:
-                first = first or time.perf_counter() - t0
-                info = loader.step_info
-                steps += 1
-                rounds[info.round] = rounds.get(info.round, 0) + 1
-                if not info.is_idle:
-                    samples += info.local_samples
-                    real += int((batch["input_ids"] != 0).sum())
-                    padded += batch["input_ids"].numel()
-            last = time.perf_counter() - t0
-            own = resource.getrusage(resource.RUSAGE_SELF)
-            collate_cpu, workers_cpu = odb_process_cpu()
-            split = {"trainer_cpu": own.ru_utime + own.ru_stime - trainer0, "collate_cpu": collate_cpu,
-                     "workers_cpu": workers_cpu}
-            loader.close()
+            split = odb_pass(ds, args, port + 1 + k, tally)
         elif name == "reference":
-            import odb
-
-            sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=False)
-            ref = odb.ODBDataLoader(ds, token_budget=args["budget"], batch_size=1, sampler=sampler, collate_fn=pad,
-                                    num_workers=args["workers"], prefetch_factor=2, buffer_size=args["buffer"],
-                                    loss_scaling="exact", join=True)
-            for batch in ref:
-                first = first or time.perf_counter() - t0
-                info = odb.pop_step_info(batch, loss_scaling="exact")
-                steps += 1
-                n = int(batch["input_ids"].shape[0])
-                if n and int(info.local_batch_size if hasattr(info, "local_batch_size") else n):
-                    samples += n
-                    real += int((batch["input_ids"] != 0).sum())
-                    padded += batch["input_ids"].numel()
-            last = time.perf_counter() - t0
-            del ref
+            reference_pass(ds, args, rank, world, tally)
         else:
-            sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=False)
-            plain = DataLoader(ds, batch_size=args["batch_size"], sampler=sampler, collate_fn=pad,
-                               num_workers=args["workers"], prefetch_factor=2,
-                               multiprocessing_context=args["plain_start"])
-            for batch in plain:
-                first = first or time.perf_counter() - t0
-                steps += 1
-                samples += batch["input_ids"].shape[0]
-                real += int((batch["input_ids"] != 0).sum())
-                padded += batch["input_ids"].numel()
-            last = time.perf_counter() - t0
+            plain_pass(ds, args, rank, world, tally)
         cpu = cpu_seconds() - cpu0
         getitem, loaded, first_load = ds.take()
         dist.barrier()
-        seconds = time.perf_counter() - t0
         res.setdefault(name, []).append({
-            "seconds": seconds, "cpu": cpu, "first": first, "last": last, "samples": samples, "steps": steps,
-            "real": real, "padded": padded, "getitem": getitem, "loaded": loaded,
-            "first_load": first_load - t0, **split,
-            "payload": sum(payload_bytes(t) for t in rounds.values()) / max(len(rounds), 1)})
+            "seconds": time.perf_counter() - t0, "cpu": cpu, "first": tally.first, "last": tally.last,
+            "samples": tally.samples, "steps": tally.steps, "real": tally.real, "padded": tally.padded,
+            "getitem": getitem, "loaded": loaded, "first_load": first_load - t0, **split,
+            "payload": sum(payload_bytes(t) for t in tally.rounds.values()) / max(len(tally.rounds), 1)})
     Path(out, f"{rank}.json").write_text(json.dumps(res))
     dist.destroy_process_group()
 
 
-def run_data(a: argparse.Namespace, data: str) -> dict[str, float]:
-    """Every loader over ``data`` in one W=2 run; prints its table, returns the ratios."""
+def fixed_batch_size(a: argparse.Namespace, data: str) -> int:
+    """The plain loader's batch size: the mean samples of the groups ODB's grouping forms over
+    ``data``'s lengths, buffer by buffer."""
     from odb_core.grouping import form_groups
 
     if data == "chat":
@@ -244,13 +262,11 @@ def run_data(a: argparse.Namespace, data: str) -> dict[str, float]:
     else:
         lengths = SyntheticDataset(a.samples).lengths
     groups = [g for k in range(0, len(lengths), a.buffer) for g in form_groups(lengths[k:k + a.buffer], a.budget)]
-    batch_size = max(1, round(len(lengths) / len(groups)))
-    names = ["plain", "odb"] + (["reference"] if has_reference() and not a.no_reference else [])
-    args = {"samples": a.samples, "workers": a.workers, "budget": a.budget, "buffer": a.buffer, "data": data,
-            "batch_size": batch_size, "order": names * a.repeats, "plain_start": a.plain_start,
-            "trainer_threads": a.trainer_threads}
-    if a.raw:
-        args["order"] = a.raw.split(",")
+    return max(1, round(len(lengths) / len(groups)))
+
+
+def run_ranks(args: dict[str, Any]) -> list[dict[str, Any]]:
+    """Both ranks' results of every pass in ``args["order"]``."""
     with tempfile.TemporaryDirectory() as out:
         ctx = tmp.start_processes(run_rank, args=(2, free_port(16), out, args), nprocs=2, start_method="spawn",
                                   join=False)
@@ -260,36 +276,34 @@ def run_data(a: argparse.Namespace, data: str) -> dict[str, float]:
         # exits (torch's SIGCHLD handler then makes the exit code 1): results written count
         codes = [p.exitcode for p in ctx.processes]
         ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(2)]
-        if a.raw:
-            print(json.dumps(ranks, indent=0))
-            return {}
-        if any(codes):
-            print(f"note: rank exit codes {codes} after writing their results")
+    if any(codes) and not args.get("raw"):
+        print(f"note: rank exit codes {codes} after writing their results")
+    return ranks
 
-    def passes(name: str) -> list[dict[str, Any]]:
-        out = []
-        for k in range(a.repeats):
-            rs = [r[name][k] for r in ranks]
-            seconds = max(x["seconds"] for x in rs)
-            samples = sum(x["samples"] for x in rs)
-            out.append({"seconds": seconds, "samples": samples, "rate": samples / seconds,
-                        "steady": samples / (seconds - max(x["first"] for x in rs)),
-                        "steps": rs[0]["steps"], "padding": 1 - sum(x["real"] for x in rs) / sum(x["padded"] for x in rs),
-                        "payload": rs[0]["payload"], "first": max(x["first"] for x in rs),
-                        "first_load": max(x["first_load"] for x in rs),
-                        "cpu": sum(x["cpu"] for x in rs) / samples * 1e6,
-                        "getitem": sum(x["getitem"] for x in rs) / max(sum(x["loaded"] for x in rs), 1) * 1e6,
-                        # ODB only: CPU per sample by process (trainer, collate process, its workers)
-                        **{key: sum(x.get(key, 0.0) for x in rs) / samples * 1e6
-                           for key in ("trainer_cpu", "collate_cpu", "workers_cpu")},
-                        "getitem_total": sum(x["getitem"] for x in rs) / samples * 1e6})
-        return out
 
-    runs = {k: passes(k) for k in names}
-    agg = {k: max(v, key=lambda p: p["rate"]) for k, v in runs.items()}
-    print(f"W=2, data {data}, {a.samples} samples, {a.workers} workers/rank, budget {a.budget}, buffer {a.buffer}; "
-          f"fixed batch size {batch_size}; plain workers by {a.plain_start}; "
-          f"trainer threads {a.trainer_threads or 'torch default'}; best of {a.repeats} passes")
+def passes(ranks: list[dict[str, Any]], name: str, repeats: int) -> list[dict[str, Any]]:
+    """``name``'s passes, both ranks together: rates, first batch, padding, CPU per sample."""
+    out = []
+    for k in range(repeats):
+        rs = [r[name][k] for r in ranks]
+        seconds = max(x["seconds"] for x in rs)
+        samples = sum(x["samples"] for x in rs)
+        out.append({"seconds": seconds, "samples": samples, "rate": samples / seconds,
+                    "steady": samples / (seconds - max(x["first"] for x in rs)),
+                    "steps": rs[0]["steps"], "padding": 1 - sum(x["real"] for x in rs) / sum(x["padded"] for x in rs),
+                    "payload": rs[0]["payload"], "first": max(x["first"] for x in rs),
+                    "first_load": max(x["first_load"] for x in rs),
+                    "cpu": sum(x["cpu"] for x in rs) / samples * 1e6,
+                    "getitem": sum(x["getitem"] for x in rs) / max(sum(x["loaded"] for x in rs), 1) * 1e6,
+                    # ODB only: CPU per sample by process (trainer, collate process, its workers)
+                    **{key: sum(x.get(key, 0.0) for x in rs) / samples * 1e6
+                       for key in ("trainer_cpu", "collate_cpu", "workers_cpu")},
+                    "getitem_total": sum(x["getitem"] for x in rs) / samples * 1e6})
+    return out
+
+
+def print_loaders(agg: dict[str, dict[str, Any]], names: list[str], buffer: int) -> None:
+    """The per-loader table (best pass of each) and ODB's CPU by process."""
     print("| loader | samples/s | vs ODB | samples/s after first batch | first load (s) | first batch (s) | steps/rank "
           "| samples/step "
           "| padding | gather B/rank/round | CPU us/sample | __getitem__ CPU us/sample | cores busy |")
@@ -299,14 +313,9 @@ def run_data(a: argparse.Namespace, data: str) -> dict[str, float]:
         print(f"| {k} | {v['rate']:.0f} | {v['rate'] / agg['odb']['rate']:.2f} | {v['steady']:.0f} | "
               f"{v['first_load']:.2f} | {v['first']:.2f} | "
               f"{v['steps']} | {v['samples'] / 2 / max(v['steps'], 1):.1f} | {v['padding']:.1%} | "
-              f"{v['payload'] if k == 'odb' else (2 + 2 * a.buffer) * 8 if k == 'reference' else 0:.0f} | {v['cpu']:.0f} | "
+              f"{v['payload'] if k == 'odb' else (2 + 2 * buffer) * 8 if k == 'reference' else 0:.0f} | {v['cpu']:.0f} | "
               f"{v['getitem']:.0f} | {v['cpu'] * v['rate'] / 1e6:.2f} |")
-    odb, plain = agg["odb"], agg["plain"]
-    result = {"overhead_us": (2 / odb["steady"] - 2 / plain["steady"]) * 1e6, "steady": odb["steady"] / plain["steady"],
-              "end_to_end": odb["rate"] / plain["rate"], "cpu_us": odb["cpu"] - plain["cpu"],
-              "pairs": sorted(o["rate"] / p["rate"] for o, p in zip(runs["odb"], runs["plain"])),
-              # pass by pass too: the machine's speed drifts, and both figures must come from one moment
-              "ceilings": sorted(p["cpu"] / o["getitem"] for o, p in zip(runs["odb"], runs["plain"]))}
+    odb = agg["odb"]
     if odb["collate_cpu"]:
         print(f"ODB CPU per sample per rank by process (best pass, us; from /proc, before the loader closes): "
               f"trainer {odb['trainer_cpu']:.0f}, collate process {odb['collate_cpu']:.0f}, DataLoader workers "
@@ -314,8 +323,32 @@ def run_data(a: argparse.Namespace, data: str) -> dict[str, float]:
               f"{odb['workers_cpu'] - odb['getitem_total']:.0f})")
     if "reference" in agg:
         print(f"ODB / reference samples/s: {odb['rate'] / agg['reference']['rate']:.3f}")
+
+
+def run_data(a: argparse.Namespace, data: str) -> dict[str, Any]:
+    """Every loader over ``data`` in one W=2 run; prints its table, returns the ratios."""
+    batch_size = fixed_batch_size(a, data)
+    names = ["plain", "odb"] + (["reference"] if has_reference() and not a.no_reference else [])
+    args = {"samples": a.samples, "workers": a.workers, "budget": a.budget, "buffer": a.buffer, "data": data,
+            "batch_size": batch_size, "order": a.raw.split(",") if a.raw else names * a.repeats,
+            "plain_start": a.plain_start, "trainer_threads": a.trainer_threads, "raw": a.raw}
+    ranks = run_ranks(args)
+    if a.raw:
+        print(json.dumps(ranks, indent=0))
+        return {}
+    runs = {k: passes(ranks, k, a.repeats) for k in names}
+    agg = {k: max(v, key=lambda p: p["rate"]) for k, v in runs.items()}
+    print(f"W=2, data {data}, {a.samples} samples, {a.workers} workers/rank, budget {a.budget}, buffer {a.buffer}; "
+          f"fixed batch size {batch_size}; plain workers by {a.plain_start}; "
+          f"trainer threads {a.trainer_threads or 'torch default'}; best of {a.repeats} passes")
+    print_loaders(agg, names, a.buffer)
     print()
-    return result
+    odb, plain = agg["odb"], agg["plain"]
+    return {"overhead_us": (2 / odb["steady"] - 2 / plain["steady"]) * 1e6, "steady": odb["steady"] / plain["steady"],
+            "end_to_end": odb["rate"] / plain["rate"], "cpu_us": odb["cpu"] - plain["cpu"],
+            "pairs": sorted(o["rate"] / p["rate"] for o, p in zip(runs["odb"], runs["plain"])),
+            # pass by pass too: the machine's speed drifts, and both figures must come from one moment
+            "ceilings": sorted(p["cpu"] / o["getitem"] for o, p in zip(runs["odb"], runs["plain"]))}
 
 
 def main() -> None:

@@ -49,6 +49,7 @@ from odb_core.tail import TailPosition
 from odb_torch.descriptors import ensure_descriptors
 from odb_torch.elastic import ElasticOrder
 from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, encode
+from odb_torch.ports import await_listener
 from odb_torch.process_guard import DieWithParent
 from odb_torch.sample_packing import IndexedDataset, PackedChunk, Packer, describe_exception, unpack
 from odb_torch.shared_tail import tail_shares
@@ -129,11 +130,14 @@ class _ViewDataset(Dataset):  # type: ignore[type-arg]
 
 
 def _collate_group(spec: CollateSpec) -> tuple[Any, Any]:
-    """The collate group: its own TCPStore and ProcessGroupGloo, never the default group."""
+    """The collate group: its own TCPStore and ProcessGroupGloo, never the default group. The
+    other ranks' store clients wait for rank 0's server to listen (:func:`await_listener`)."""
     url = urlparse(spec.init_method)
     if url.scheme != "tcp" or url.hostname is None or url.port is None:
         raise ValueError(f"init_method must be tcp://host:port, got {spec.init_method!r}")
     timeout = timedelta(seconds=spec.timeout)
+    if spec.rank != 0:  # rank 0's collate process serves the store: connect once it listens
+        await_listener(url.hostname, url.port, spec.timeout)
     store = TCPStore(url.hostname, url.port, spec.world, spec.rank == 0, timeout)
     return store, ProcessGroupGloo(store, spec.rank, spec.world, timeout)
 

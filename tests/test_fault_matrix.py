@@ -138,8 +138,8 @@ def main(how):
     options = {"num_workers": 1, "timeout": 20}
     if how == "stuck":  # the collate process itself loads (and hangs); the trainer gives up after 2 x 2 s
         options = {"num_workers": 0, "timeout": 2}
-    if how == "alone":  # rank 0 of 2, whose peer never comes: the rendezvous waits out its 3 s
-        options = {"num_workers": 0, "timeout": 3, "rank": 0, "world_size": 2,
+    if how in ("alone", "orphan"):  # rank 0 (1) of 2, whose peer never comes: the rendezvous waits out its 3 s
+        options = {"num_workers": 0, "timeout": 3, "rank": 0 if how == "alone" else 1, "world_size": 2,
                    "init_method": "tcp://127.0.0.1:" + os.environ["ODB_TEST_PORT"]}
     loader = ODBDataLoader(Lines(), token_budget=64, collate_fn=big_collate if how in ("crash", "break") else pad_collate,
                            start_method=os.environ["ODB_TEST_START"], **options)  # never closed
@@ -199,6 +199,7 @@ def run_script(tmp_path: Path, how: str, start: str, timeout: float = 90) -> tup
     ("sigint", "spawn", -signal.SIGINT, "KeyboardInterrupt"),  # Ctrl-C (Python exits by the signal)
     ("stdin", "auto", 0, "done"),  # python - < train.py, Lines defined in __main__: fork needs no import
     ("stdin", "spawn", 1, "StartMethodError"),  # spawn cannot re-import code from standard input
+    ("orphan", "auto", 1, "no server accepted connections at 127.0.0.1:"),  # rank 1 whose rank 0 never comes
 ])
 def test_script_exits_promptly_whatever_ends_it(how, start, code, needle, tmp_path):
     started = time.monotonic()

@@ -13,7 +13,7 @@ import socket
 
 import pytest
 
-from odb_torch.ports import _LOWEST, _kernel_port, ephemeral_low, free_port
+from odb_torch.ports import _LOWEST, _accepts, _kernel_port, await_listener, ephemeral_low, free_port
 
 
 def test_the_ephemeral_range_is_readable_here():
@@ -51,3 +51,40 @@ def test_a_client_whose_source_port_is_its_target_connects_to_itself():
         c.connect(("127.0.0.1", target))
         c.sendall(b"ping 22939")
         assert c.recv(64) == b"ping 22939"
+
+
+def test_await_listener_returns_once_the_server_listens():
+    """The collate group's store clients wait for rank 0's server (``await_listener``): nobody
+    listens at the first attempt; the refusal starts the server; the next attempt connects."""
+    port = free_port()
+    server = socket.socket()
+    refused = []
+
+    def start_server() -> None:
+        refused.append(1)
+        if len(refused) == 1:
+            server.bind(("127.0.0.1", port))
+            server.listen()
+
+    try:
+        await_listener("127.0.0.1", port, timeout=60, on_refused=start_server)
+        assert len(refused) == 1
+    finally:
+        server.close()
+
+
+def test_await_listener_names_the_address_when_nobody_listens():
+    port = free_port()
+    refused = []
+    with pytest.raises(TimeoutError, match=f"127.0.0.1:{port}"):
+        await_listener("127.0.0.1", port, timeout=0, on_refused=lambda: refused.append(1))
+    assert refused == [1]
+
+
+def test_a_probe_connected_to_itself_is_no_server():
+    """The probe's source port is its target, so with nobody listening it connects to itself
+    (the test above shows the same connect succeed); ``_accepts`` must not take that for a
+    server (without its check it does: the seeded bug, checked by hand)."""
+    target = free_port()
+    addresses = socket.getaddrinfo("127.0.0.1", target, type=socket.SOCK_STREAM)
+    assert not _accepts(addresses, source=("127.0.0.1", target))

@@ -97,6 +97,126 @@ class TinyLM(torch.nn.Module):
                                                  ignore_index=-100, reduction="sum")
 
 
+def _tail_options(task: dict[str, Any]) -> dict[str, Any]:
+    """The task's shared-tail keywords, only where it sets them (the loader's defaults otherwise)."""
+    return {k: task[k] for k in ("shared_tail", "reserve_divisor") if k in task}
+
+
+def build_loader(task: dict[str, Any], rank: int, port: int) -> tuple[ODBDataLoader, Any]:
+    """The task's loader over its ToyDataset, and a factory of the same loader class for a resume."""
+    dataset = ToyDataset(task["n"], {int(k): v for k, v in task.get("fail", {}).items()}, task.get("length"))
+    collate = {"failing": failing_collate, "tuple": tuple_collate, "tensor": tensor_collate}.get(
+        task.get("collate", ""), pad_collate)
+    loader_cls = ODBDataLoader
+    if "driver" in task:  # a seeded bug of the epoch loop (model_checks.mutants)
+        from model_checks.mutants import driver
+
+        loader_cls = type("MutantLoader", (ODBDataLoader,), {"driver_cls": driver(task["driver"])})
+    loader = loader_cls(dataset, token_budget=128, collate_fn=collate, buffer_size=task.get("buffer", 16),
+                        budget=task.get("budget", "padded"),
+                        num_workers=task.get("workers", 0), seed=task.get("seed", 0),
+                        init_method=f"tcp://127.0.0.1:{port + 1}", timeout=task.get("timeout", 60),
+                        start_method=task.get("start_method", "auto"), mode=task.get("mode", "join"),
+                        sampler=ShardSampler(task["shards"][rank]) if "shards" in task else None,
+                        skip_idle=task.get("skip_idle", False), shuffle=task.get("shuffle", True),
+                        target_policy=task.get("target_policy", "balanced"),
+                        queue_size=task.get("queue_size", 8), **_tail_options(task))
+
+    def resumed() -> ODBDataLoader:  # the resume's fresh loader: no workers, a port of its own
+        return loader_cls(dataset, token_budget=128, collate_fn=collate, buffer_size=task.get("buffer", 16),
+                          budget=task.get("budget", "padded"), num_workers=0,
+                          init_method=f"tcp://127.0.0.1:{port + 2}", timeout=60, **_tail_options(task))
+
+    return loader, resumed
+
+
+def audit_epochs(loader: ODBDataLoader, task: dict[str, Any], result: dict[str, Any]) -> None:
+    """Every step of ``task["epochs"]`` epochs (ids, idle, shapes, budgets), and the open file
+    descriptors after each epoch."""
+    result["epochs"] = []
+    for epoch in range(task["epochs"]):
+        loader.set_epoch(epoch)
+        steps = []
+        for batch in loader:
+            info = loader.step_info
+            if task.get("collate") in ("tuple", "tensor"):
+                ids = [] if info.is_idle else list(info.indices)
+                width = (batch[0] if isinstance(batch, tuple) else batch).shape
+                steps.append({"ids": ids, "idle": info.is_idle, "shape": list(width)})
+                continue
+            ids = [] if info.is_idle else batch["idx"].tolist()
+            assert ids == list(info.indices)
+            steps.append({"ids": ids, "idle": info.is_idle, "step": info.step, "global": info.global_samples,
+                          "tokens": int(batch["input_ids"].numel()), "size": len(batch["idx"]),
+                          "longest": int(batch["input_ids"].shape[1]), "over": info.over_budget})
+        result["epochs"].append(steps)
+        result.setdefault("fds_after_epoch", []).append(len(os.listdir("/proc/self/fd")))
+
+
+def resume_run(loader: ODBDataLoader, task: dict[str, Any], resumed: Any, result: dict[str, Any]) -> None:
+    """Epoch 1 cut after ``task["stop_after"]`` steps (or the first pool claim), its state through
+    JSON as a checkpoint stores it, and the rest of the epoch from a fresh loader."""
+    loader.set_epoch(1)
+    before = []
+    for k, _batch in enumerate(loader):
+        before.append(list(loader.step_info.indices))
+        if k + 1 == task["stop_after"] or task["stop_after"] == "pool" and pool_claimed(loader):
+            break
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    again = resumed()
+    try:
+        again.load_state_dict(state)
+        after = [list(again.step_info.indices) for _ in again]
+    finally:
+        again.close()
+    result.update(before=before, after=after, state=state)
+
+
+def abandon_run(loader: ODBDataLoader, result: dict[str, Any]) -> None:
+    """Epoch 0 left after two steps (as ``max_steps`` does), then the whole of epoch 1."""
+    loader.set_epoch(0)
+    for k, _ in enumerate(loader):
+        if k == 1:
+            break
+    loader.set_epoch(1)
+    result["epoch1"] = [(loader.step_info.epoch, list(loader.step_info.indices)) for _ in loader]
+
+
+def fault_run(loader: ODBDataLoader, task: dict[str, Any], rank: int) -> None:
+    """The victim rank's fault at its third step: its collate process killed, itself killed, or stalled."""
+    loader.set_epoch(0)
+    for k, _ in enumerate(loader):
+        if k == 2 and rank == task["victim"]:
+            if task["fault"] == "kill_collate":
+                os.kill(loader._proc.pid, 9)
+            elif task["fault"] == "kill_rank":
+                os.kill(os.getpid(), 9)
+            elif task["fault"] == "stall":
+                import time
+                time.sleep(task["timeout"] * 3)
+
+
+def run_task(loader: ODBDataLoader, task: dict[str, Any], rank: int, world: int, resumed: Any,
+             result: dict[str, Any]) -> None:
+    """The task's loop over ``loader`` (its ``kind``), its findings put into ``result``."""
+    kind = task["kind"]
+    if kind == "audit":
+        audit_epochs(loader, task, result)
+    elif kind == "join":
+        result["epochs"] = join_epochs(loader, task["epochs"])
+    elif kind == "grad":
+        result["max_err"] = grad_check(loader, world)
+    elif kind == "resume":
+        resume_run(loader, task, resumed, result)
+    elif kind == "elastic":
+        result.update(elastic_stage(loader, task, rank))
+    elif kind == "abandon":
+        abandon_run(loader, result)
+    elif kind == "fault":
+        fault_run(loader, task, rank)
+
+
 def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, Any]) -> None:
     """One trainer rank: a Gloo trainer group, an ODBDataLoader, and the task's loop."""
     result: dict[str, Any] = {"rank": rank}
@@ -104,86 +224,9 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
-        dataset = ToyDataset(task["n"], {int(k): v for k, v in task.get("fail", {}).items()}, task.get("length"))
-        collate = {"failing": failing_collate, "tuple": tuple_collate, "tensor": tensor_collate}.get(
-            task.get("collate", ""), pad_collate)
-        loader_cls = ODBDataLoader
-        if "driver" in task:  # a seeded bug of the epoch loop (model_checks.mutants)
-            from model_checks.mutants import driver
-
-            loader_cls = type("MutantLoader", (ODBDataLoader,), {"driver_cls": driver(task["driver"])})
-        loader = loader_cls(dataset, token_budget=128, collate_fn=collate, buffer_size=task.get("buffer", 16),
-                               budget=task.get("budget", "padded"),
-                               num_workers=task.get("workers", 0), seed=task.get("seed", 0),
-                               init_method=f"tcp://127.0.0.1:{port + 1}", timeout=task.get("timeout", 60),
-                               start_method=task.get("start_method", "auto"), mode=task.get("mode", "join"),
-                               sampler=ShardSampler(task["shards"][rank]) if "shards" in task else None,
-                               skip_idle=task.get("skip_idle", False), shuffle=task.get("shuffle", True),
-                               target_policy=task.get("target_policy", "balanced"),
-                               queue_size=task.get("queue_size", 8),
-                               **({"shared_tail": task["shared_tail"]} if "shared_tail" in task else {}),
-                               **({"reserve_divisor": task["reserve_divisor"]} if "reserve_divisor" in task else {}))
+        loader, resumed = build_loader(task, rank, port)
         try:
-            if task["kind"] == "audit":
-                result["epochs"] = []
-                for epoch in range(task["epochs"]):
-                    loader.set_epoch(epoch)
-                    steps = []
-                    for batch in loader:
-                        info = loader.step_info
-                        if task.get("collate") in ("tuple", "tensor"):
-                            ids = [] if info.is_idle else list(info.indices)
-                            width = (batch[0] if isinstance(batch, tuple) else batch).shape
-                            steps.append({"ids": ids, "idle": info.is_idle, "shape": list(width)})
-                            continue
-                        ids = [] if info.is_idle else batch["idx"].tolist()
-                        assert ids == list(info.indices)
-                        steps.append({"ids": ids, "idle": info.is_idle, "step": info.step,
-                                      "global": info.global_samples,
-                                      "tokens": int(batch["input_ids"].numel()), "size": len(batch["idx"]),
-                                      "longest": int(batch["input_ids"].shape[1]), "over": info.over_budget})
-                    result["epochs"].append(steps)
-                    result.setdefault("fds_after_epoch", []).append(len(os.listdir("/proc/self/fd")))
-            elif task["kind"] == "join":
-                result["epochs"] = join_epochs(loader, task["epochs"])
-            elif task["kind"] == "grad":
-                result["max_err"] = grad_check(loader, world)
-            elif task["kind"] == "resume":
-                loader.set_epoch(1)
-                before = []
-                for k, _batch in enumerate(loader):
-                    before.append(list(loader.step_info.indices))
-                    if k + 1 == task["stop_after"] or task["stop_after"] == "pool" and pool_claimed(loader):
-                        break
-                state = json.loads(json.dumps(loader.state_dict()))  # as a checkpoint would store it
-                loader.close()
-                loader = loader_cls(dataset, token_budget=128, collate_fn=collate, buffer_size=task.get("buffer", 16),
-                                       budget=task.get("budget", "padded"),
-                                       num_workers=0, init_method=f"tcp://127.0.0.1:{port + 2}", timeout=60,
-                                       **({"shared_tail": task["shared_tail"]} if "shared_tail" in task else {}))
-                loader.load_state_dict(state)
-                after = [list(loader.step_info.indices) for _ in loader]
-                result.update(before=before, after=after, state=state)
-            elif task["kind"] == "elastic":
-                result.update(elastic_stage(loader, task, rank))
-            elif task["kind"] == "abandon":
-                loader.set_epoch(0)
-                for k, _ in enumerate(loader):
-                    if k == 1:
-                        break  # e.g. max_steps reached mid-epoch
-                loader.set_epoch(1)
-                result["epoch1"] = [(loader.step_info.epoch, list(loader.step_info.indices)) for _ in loader]
-            elif task["kind"] == "fault":
-                loader.set_epoch(0)
-                for k, _ in enumerate(loader):
-                    if k == 2 and rank == task["victim"]:
-                        if task["fault"] == "kill_collate":
-                            os.kill(loader._proc.pid, 9)
-                        elif task["fault"] == "kill_rank":
-                            os.kill(os.getpid(), 9)
-                        elif task["fault"] == "stall":
-                            import time
-                            time.sleep(task["timeout"] * 3)
+            run_task(loader, task, rank, world, resumed, result)
         finally:
             loader.close()
     except Exception as exc:
