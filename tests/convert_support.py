@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
-from torch_support import ToyDataset, finish_rank, record_error
+from torch_support import ToyDataset, finish_rank, init_gloo, record_error
 
 from odb_torch import from_dataloader, pad_collate
 
@@ -46,8 +44,7 @@ def convert_rank_main(rank: int, world: int, port: int, out_dir: str, task: dict
     epochs; writes per epoch each batch's indices, type and loading workers (and a DistributedSampler's views)."""
     result: dict[str, Any] = {"rank": rank}
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
+        init_gloo(rank, world, port)
         dl = framework_dataloader(task, rank, world)
         loader = from_dataloader(dl, token_budget=128, buffer_size=16, timeout=60,
                                  init_method=f"tcp://127.0.0.1:{port + 1}")

@@ -15,13 +15,12 @@ import os
 import signal
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch_support import ToyDataset
+from torch_support import ToyDataset, init_gloo
 
 from odb_torch import ODBDataLoader, pad_collate
 
@@ -135,8 +134,7 @@ def fault_rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[s
     """One trainer rank of a fault case; writes ``rank<r>.json``."""
     result: dict[str, Any] = {"rank": rank}
     task = {**task, **task.get("per_rank", {}).get(str(rank), {})}
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    init_gloo(rank, world, port)
     started = time.time()
     loader = make_loader(task, port)
     _keep.append(loader)
