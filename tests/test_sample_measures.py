@@ -138,3 +138,18 @@ def test_the_chunk_wide_label_count_is_the_default_count_of_every_sample(rows):
     chunk = Packer(rank=0)(list(enumerate(samples)))
     if chunk.error is None:  # the default count of every sample, whichever way it was counted
         assert chunk.measures == [(9, default_loss_tokens(s, 9)) for s in samples]
+
+
+def test_a_failing_chunk_wide_count_falls_back_to_counting_each_sample(monkeypatch):
+    """Whatever goes wrong in the chunk-wide count, the samples are counted one by one: the
+    same measures, and a sample that cannot be counted is still an error naming it."""
+    import odb_torch.sample_packing as sp
+
+    def broken(samples):
+        raise RuntimeError("a tensor type the chunk-wide count cannot take")
+
+    monkeypatch.setattr(sp, "_label_counts", broken)
+    good = [(3, {"input_ids": [1, 2, 3], "labels": torch.tensor([-100, 5, 6])})]
+    assert Packer(rank=0)(good).measures == [(3, 2)]
+    bad = Packer(rank=2)(good + [(8, {"input_ids": [1, 2], "labels": [1, 2, 3]})])
+    assert isinstance(bad.error, InvalidSampleError) and (bad.error.rank, bad.error.indices) == (2, (8,))
