@@ -11,7 +11,8 @@ machine; each loader reads a 64-sample dataset of cheap samples (one worker, buf
 the first batch waits on the start-up alone: the collate process, its worker, the collate
 group's rendezvous and handshake, and one buffer. The "without" arm replaces
 ``await_listener`` in the collate process's module by a no-op (this benchmark's own
-stand-in for the code before the change; the loader itself has no such switch). Printed per
+stand-in for the code before the change; the loader itself has no such switch); the
+collate processes are forked (``start_method="fork"``), so they inherit the arm's choice. Printed per
 arm: the median, 90th percentile and largest first-batch time over every start of every
 rank, and how many starts took over 200 ms.
 """
@@ -53,7 +54,7 @@ class Cheap(Dataset):  # type: ignore[type-arg]
 def first_batch(port: int) -> float:
     """Seconds from ``iter(loader)`` to its first batch (the loader then drained and closed)."""
     loader = ODBDataLoader(Cheap(), token_budget=64, collate_fn=pad_collate, num_workers=1, buffer_size=8,
-                           init_method=f"tcp://127.0.0.1:{port}", timeout=60)
+                           init_method=f"tcp://127.0.0.1:{port}", timeout=60, start_method="fork")
     try:
         started = time.perf_counter()
         batches = iter(loader)

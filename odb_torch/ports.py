@@ -69,14 +69,15 @@ def free_port(span: int = 1) -> int:
     return _kernel_port(span)
 
 
-def _accepts(addresses: list[Any], source: tuple[str, int] | None = None) -> bool:
+def _accepts(addresses: list[Any], source: tuple[str, int] | None = None, wait: float = 1.0) -> bool:
     """Whether a server at one of ``addresses`` (``getaddrinfo``'s) accepts a TCP connection
-    now (closed at once). A connection to itself (TCP self-connect: the kernel gave the probe
-    the target port as its source port, or ``source`` is the target) is no server."""
+    within ``wait`` seconds (closed at once). A connection to itself (TCP self-connect: the
+    kernel gave the probe the target port as its source port, or ``source`` is the target) is
+    no server."""
     for family, kind, proto, _, address in addresses:
         try:
             with socket.socket(family, kind, proto) as probe:
-                probe.settimeout(1.0)
+                probe.settimeout(max(wait, 0.001))
                 if source is not None:
                     probe.bind(source)
                 probe.connect(address)
@@ -90,24 +91,26 @@ def _accepts(addresses: list[Any], source: tuple[str, int] | None = None) -> boo
 def await_listener(host: str, port: int, timeout: float, pause: float = PROBE_PAUSE,
                    on_refused: Callable[[], None] | None = None) -> None:
     """Return once a server at ``host:port`` accepts connections; ``TimeoutError`` naming it
-    if none does within ``timeout`` seconds. ``on_refused`` runs after each refused attempt;
-    the pause between attempts grows from ``pause`` to :data:`MAX_PAUSE`. A host that does not
-    resolve returns at once (the store's own connect then reports it).
+    if none does within ``timeout`` seconds (each attempt waits at most 1 s, and never past
+    the deadline). ``on_refused`` runs after each failed attempt (refused, or timed out);
+    the pause between attempts grows from ``pause`` to :data:`MAX_PAUSE`. A host name that
+    does not resolve, or is not a valid name, returns at once (the store's own connect then
+    reports it).
 
     A c10d ``TCPStore`` client that finds no server yet retries on a backoff of its own:
     a collate process that reached the rendezvous before rank 0's had started its server
-    waited 0.3-0.7 s more than needed (``benchmarks/bench_startup.py``: 14 of 60 loader starts
-    over 200 ms at W=2, 52 of 80 at W=4, none with this wait). Probing first lets the store
-    connect at once."""
+    waited 0.3-0.8 s more than needed (``benchmarks/bench_startup.py``: 14-26 of 60 loader
+    starts over 200 ms at W=2, 44-52 of 80 at W=4; none with this wait). Probing first lets
+    the store connect at once."""
     try:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError:
+    except (OSError, UnicodeError):
         return
     deadline = time.monotonic() + timeout
-    while not _accepts(addresses):
+    while not _accepts(addresses, wait=min(1.0, deadline - time.monotonic())):
         if on_refused is not None:
             on_refused()
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"no server accepted connections at {host}:{port} within {timeout:.0f}s")
+            raise TimeoutError(f"no server accepted connections at {host}:{port} within {timeout:g}s")
         time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
         pause = min(pause * 1.5, MAX_PAUSE)

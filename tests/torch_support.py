@@ -126,7 +126,8 @@ def build_loader(task: dict[str, Any], rank: int, port: int) -> tuple[ODBDataLoa
     def resumed() -> ODBDataLoader:  # the resume's fresh loader: no workers, a port of its own
         return loader_cls(dataset, token_budget=128, collate_fn=collate, buffer_size=task.get("buffer", 16),
                           budget=task.get("budget", "padded"), num_workers=0,
-                          init_method=f"tcp://127.0.0.1:{port + 2}", timeout=60, **_tail_options(task))
+                          init_method=f"tcp://127.0.0.1:{port + 2}", timeout=60,
+                          **({"shared_tail": task["shared_tail"]} if "shared_tail" in task else {}))
 
     return loader, resumed
 
@@ -236,7 +237,7 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[str, An
 
 def init_gloo(rank: int, world: int, port: int, seconds: float = 60) -> None:
     """The ranks' Gloo trainer group at ``tcp://127.0.0.1:port``; the other ranks first wait for
-    rank 0's store to listen (its client's connect retries would otherwise add 0.3-0.7 s to a
+    rank 0's store to listen (its client's connect retries would otherwise add 0.3-0.8 s to a
     start that finds no server yet, ``odb_torch.ports.await_listener``)."""
     if rank:
         await_listener("127.0.0.1", port, seconds)
