@@ -133,7 +133,7 @@ def read_lengths(path: str | Path) -> list[int]:
 def _add_check(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("check", help="model-check the spec with TLC, hunt mutants, check core/spec conformance")
     p.add_argument("--deep", action="store_true",
-                   help="also run the deep suite (larger constants) and the long reach slice (48 simulated "
+                   help="also run the deep suite (larger constants) and the long reach slice (51 simulated "
                         "models, every quick configuration with the progress invariants, larger inductive domains)")
     p.add_argument("--select", default="*",
                    help="only configurations whose name matches this glob (reach_* are the simulation, "
@@ -166,7 +166,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("demo", help="DDP fine-tune on CPU (W=2, Gloo) on real chat data: Standard vs Sorted vs ODB")
+    p = sub.add_parser("demo", help="DDP fine-tune on CPU (W=2, Gloo) on real chat data: Standard vs Sorted vs ODB vs ODB packed")
     p.add_argument("--quick", action="store_true", help="a tiny run (seconds), for the tests")
     p.add_argument("--samples", type=at_least(1), default=None, help="sample budget per method (default 1280; quick 96)")
     p.add_argument("--world", type=at_least(1), default=2, help="ranks (default 2)")
