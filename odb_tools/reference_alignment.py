@@ -53,8 +53,12 @@ def _rank(rank: int, world: int, port: int, views: list[list[int]], lengths: lis
     import torch.distributed as dist
     from odb.grouping import grouping_data
 
+    from odb_torch.ports import await_listener
+
     warnings.filterwarnings("ignore", category=FutureWarning)  # the package's all_gather_into_tensor
 
+    if rank:  # rank 0 serves the store: connect once it listens (odb_torch.ports.await_listener)
+        await_listener("127.0.0.1", port, 300)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     group = dist.new_group(backend="gloo")
     mine = views[rank]

@@ -50,6 +50,7 @@ from odb_torch.collate import pad_collate
 from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import shifted_loss_tokens
 from odb_torch.padding_free import packed_collate
+from odb_torch.ports import await_listener
 from odb_torch.windows import AccumulationWindows
 
 METHODS = ("standard", "sorted", "odb", "odb-packed")
@@ -167,6 +168,8 @@ def run_ranks(rank: int, world: int, port: int, runs: list[tuple[RunConfig, str,
     ``port``: one spawn of W ranks for every method (each run builds its model afresh and
     times only its own epoch, :func:`train`)."""
     torch.set_num_threads(1)
+    if rank:  # rank 0 serves the store: connect once it listens (odb_torch.ports.await_listener)
+        await_listener("127.0.0.1", port, 600)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
     try:
