@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import torch
@@ -55,6 +55,7 @@ from odb_torch.sample_packing import IndexedDataset, PackedChunk, Packer, descri
 from odb_torch.shared_tail import tail_shares
 from odb_torch.step_info import StepInfo
 
+T = TypeVar("T")
 MAX_CHUNK = 64
 """At most this many consecutive sampler views are loaded and shipped as one packed chunk."""
 TRACE_ENV = "ODB_TRACE_DIR"
@@ -71,6 +72,30 @@ reported then; a stuck one once ``timeout`` seconds have passed)."""
 def check_interval(timeout: float) -> float:
     """A slice of ``timeout`` of at most :data:`WORKER_CHECK` seconds; whole slices add up to it."""
     return timeout / math.ceil(timeout / WORKER_CHECK)
+
+
+class LoadStuck(Exception):
+    """:func:`next_loaded` waited its whole timeout for live DataLoader workers."""
+
+
+def next_loaded(it: Iterator[T], timeout: float) -> T:
+    """``next(it)`` of a DataLoader iterator built with ``timeout=check_interval(timeout)`` (or
+    0: loading in this process). At each slice torch checks its workers: a dead one raises
+    "DataLoader worker ... exited unexpectedly" then, whether or not its SIGCHLD handler is
+    installed here (``collate_main`` resets SIGCHLD); live ones stuck for ``timeout`` seconds
+    in all raise :class:`LoadStuck`. ``StopIteration`` and every other error pass through."""
+    waited = 0.0
+    while True:
+        try:
+            return next(it)
+        except StopIteration:
+            raise
+        except Exception as exc:
+            if not str(exc).startswith("DataLoader timed out"):
+                raise
+            waited += check_interval(timeout)  # the workers are alive: torch checked
+            if waited >= timeout * (1 - 1e-9):
+                raise LoadStuck(str(exc)) from None
 
 
 def worker_death(exc: BaseException | None) -> BaseException | None:
@@ -432,23 +457,19 @@ class CollateServer:
 
     def _next_chunk(self, it: Iterator[PackedChunk], indices: list[int]) -> PackedChunk:
         """The next loaded chunk, or the typed error of its first bad sample (P4: none is skipped)."""
-        rank, waited = self.spec.rank, 0.0
-        while True:
-            try:
-                packed = next(it)
-                break
-            except (SampleLoadError, InvalidSampleError):
-                raise
-            except Exception as exc:
-                if not str(exc).startswith("DataLoader timed out") or not self.spec.num_workers:
-                    raise SampleLoadError(f"rank {rank}: loading dataset indices {indices} failed: "
-                                          f"{describe_exception(exc)}", rank=rank, indices=indices) from None
-                waited += check_interval(self.spec.timeout)  # the workers are alive: torch checked
-                if waited >= self.spec.timeout * (1 - 1e-9):
-                    raise SampleLoadError(
-                        f"rank {rank}: a DataLoader worker spent over {self.spec.timeout:.0f}s (the timeout) loading "
-                        f"dataset indices {indices} (stuck in the dataset's __getitem__, or length_fn?)",
-                        rank=rank, indices=indices) from None
+        rank = self.spec.rank
+        try:
+            packed = next_loaded(it, self.spec.timeout)
+        except (SampleLoadError, InvalidSampleError):
+            raise
+        except LoadStuck:
+            raise SampleLoadError(
+                f"rank {rank}: a DataLoader worker spent over {self.spec.timeout:.0f}s (the timeout) loading "
+                f"dataset indices {indices} (stuck in the dataset's __getitem__, or length_fn?)",
+                rank=rank, indices=indices) from None
+        except Exception as exc:
+            raise SampleLoadError(f"rank {rank}: loading dataset indices {indices} failed: "
+                                  f"{describe_exception(exc)}", rank=rank, indices=indices) from None
         if packed.error is not None:
             raise packed.error
         return packed

@@ -19,7 +19,7 @@ from odb_core import ODBConfig
 from odb_core.config import BudgetName, LossScaling, Mode, TargetPolicyName
 from odb_core.elastic import check_resumed_epoch, deals_views, tail_resume
 from odb_core.epoch import EpochDriver
-from odb_core.errors import CollateProcessError, LoaderStateError, PeerError, UnsupportedSettingError
+from odb_core.errors import CollateProcessError, LoaderStateError, PeerError, ResumeStateError, UnsupportedSettingError
 from odb_core.sampler import pool_size
 from odb_core.tail import TailPosition
 from odb_torch.collate_process import STACK_SIGNAL, CollateSpec, collate_main
@@ -278,18 +278,20 @@ class ODBDataLoader:
         back = list(self._recent)[len(self._recent) - unconsumed:]
         n_pos, n_steps = sum(b[0] for b in back), sum(b[1] for b in back)
         consumed = self._consumed[: len(self._consumed) - n_pos]
+        order = sorted(range(len(consumed)), key=consumed.__getitem__)  # consumed_ids follow it (streams)
         # a loaded position still held names its own epoch, whatever set_epoch was called with since
         epoch = self._resume[0] if self._resume is not None else self.epoch
-        state: dict[str, Any] = {"epoch": epoch, "steps": self._steps - n_steps, "consumed": sorted(consumed),
+        state: dict[str, Any] = {"epoch": epoch, "steps": self._steps - n_steps, "consumed": [consumed[k] for k in order],
                                  "rank": self.rank, "world_size": self.world_size, "seed": self.config.seed}
-        state.update(self._order_state(epoch, unconsumed, len(consumed)))
+        state.update(self._order_state(epoch, unconsumed, order))
         return state
 
-    def _order_state(self, epoch: int, unconsumed: int, n_consumed: int) -> dict[str, Any]:
+    def _order_state(self, epoch: int, unconsumed: int, order: list[int]) -> dict[str, Any]:
         """What a state's positions index: an elastic share's views of the global order (plain or
         pooled, ``order_tail``), the global order of a plain ``DistributedSampler`` (pooled with a
-        shared tail: ``pool_size``), or this rank's stream; the sampler's order fields; a pooled
-        epoch's pool position (``pool_cursor``, ``claimed``)."""
+        shared tail: ``pool_size``), or this rank's stream (``consumed_ids`` in the order of the
+        sorted ``consumed``: ``order`` lists the delivered positions' indices in that order); the
+        sampler's order fields; a pooled epoch's pool position (``pool_cursor``, ``claimed``)."""
         state: dict[str, Any] = {}
         share = self._elastic if self._elastic is not None and self._elastic.epoch == epoch else None
         tail = self.config.shared_tail
@@ -306,7 +308,7 @@ class ODBDataLoader:
             kept = len(self._recent) - unconsumed
             state["stream_resume"] = self._recent[kept - 1][2] if kept > 0 else self._stream_point
             if self.sampler.element_id is not None:
-                state["consumed_ids"] = self._consumed_ids[:n_consumed]
+                state["consumed_ids"] = [self._consumed_ids[k] for k in order]
         if isinstance(self.sampler, DistributedSampler):  # what fixes its order: every resume checks it
             state.update(order_fields(self.sampler))
         if tail:  # a pooled epoch's positions: resumable with the pool's position
@@ -331,11 +333,15 @@ class ODBDataLoader:
             self._resume = stream_resume(state, self.rank, self.world_size, self.config.seed,
                                          self._spec.num_workers)
             self._stream_start = check_stream_start(state.get("stream_resume"), self.rank,  # type: ignore[union-attr]
-                                                    self._spec.num_workers, self._spec.dataset)
+                                                    self._spec.num_workers, self._spec.dataset, self._resume[1])
             self._consumed_ids = check_stream_ids(state, self.rank, self.sampler.element_id)  # type: ignore[arg-type]
             self.epoch = self._resume[0]
             self._hold_resumed_position()
             return
+        if isinstance(state, Mapping) and state.get("stream"):  # positions of a stream, not of this sampler
+            raise ResumeStateError(f"rank {self.rank}: the state is a stream's (its positions name the stream's "
+                                   "elements), this loader reads a map-style dataset through its sampler; resume "
+                                   "it with the stream", field="stream", rank=self.rank)
         if isinstance(state, Mapping) and state.get("kind") != "odb-global" and (
                 state.get("world_size") == self.world_size):
             for key, mine in (("rank", self.rank), ("seed", self.config.seed)):

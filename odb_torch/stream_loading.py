@@ -20,6 +20,7 @@ re-reads the stream and passes over the positions consumed.
 from __future__ import annotations
 
 import copy
+import numbers
 import os
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -40,7 +41,7 @@ from odb_core.errors import (
     SampleLoadError,
     UnsupportedSettingError,
 )
-from odb_torch.collate_process import MAX_CHUNK, CollateServer, CollateSpec
+from odb_torch.collate_process import MAX_CHUNK, CollateServer, CollateSpec, LoadStuck, check_interval, next_loaded
 from odb_torch.messages import Batch, EpochEnd, Reply, StartEpoch
 from odb_torch.process_guard import DieWithParent
 from odb_torch.sample_packing import PackedChunk, Packer, describe_exception, pack, unpack
@@ -101,10 +102,12 @@ def resumable(dataset: Any) -> bool:
     return True
 
 
-def check_stream_start(start: Any, rank: int, num_workers: int, dataset: Any) -> dict[str, Any] | None:
+def check_stream_start(start: Any, rank: int, num_workers: int, dataset: Any,
+                       consumed: Sequence[int] = ()) -> dict[str, Any] | None:
     """A state's ``stream_resume`` (None: re-read), checked: a stream position and one dataset
-    state (or None: from the start) per DataLoader worker, for a :func:`resumable` dataset
-    (:class:`ResumeStateError` otherwise)."""
+    state (or None: from the start) per DataLoader worker, for a :func:`resumable` dataset, with
+    every position below it among ``consumed`` (the read starts there: an element below it not
+    yet trained would be lost) (:class:`ResumeStateError` otherwise)."""
     if start is None:
         return None
     if not resumable(dataset):
@@ -116,6 +119,11 @@ def check_stream_start(start: Any, rank: int, num_workers: int, dataset: Any) ->
         raise ResumeStateError(f"rank {rank}: stream_resume must be a stream position and one dataset state per "
                                f"worker ({max(1, num_workers)}), got {str(start)[:120]}", field="stream_resume",
                                rank=rank)
+    below = len({p for p in consumed if p < start["position"]})
+    if below != start["position"]:
+        raise ResumeStateError(f"rank {rank}: stream_resume starts the read at position {start['position']}, but "
+                               f"only {below} of the positions below it are consumed: the others would never be "
+                               "read (not a state this loader wrote)", field="stream_resume", rank=rank)
     return {"position": start["position"], "workers": list(start["workers"])}
 
 
@@ -134,11 +142,14 @@ def check_stream_ids(state: Mapping[str, Any], rank: int, element_id: str | None
 
 
 def element_identity(element: Any, key: str, rank: int, position: int) -> int:
-    """The element's own identity ``element[key]``: an int, else :class:`InvalidSampleError`
-    naming the rank and the stream position."""
+    """The element's own identity ``element[key]``: an integer (a Python or NumPy int, or a
+    one-element integer tensor, as a stream formatted for NumPy or torch gives it), else
+    :class:`InvalidSampleError` naming the rank and the stream position."""
     value = element.get(key) if isinstance(element, Mapping) else None
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidSampleError(f"rank {rank}: the stream's element at position {position} has no integer "
                                  f"identity under element_id={key!r} (got {type(value).__name__})", rank=rank,
@@ -231,7 +242,8 @@ class StreamReader:
             dataset, batch_size=max(1, min(STREAM_CHUNK, MAX_CHUNK)), num_workers=workers,
             collate_fn=_Chunker(None if workers else dataset), prefetch_factor=spec.prefetch_factor if workers else None,
             multiprocessing_context=spec.worker_start_method if workers else None,
-            worker_init_fn=_WorkerStart(os.getpid(), states) if workers else None, timeout=spec.timeout if workers else 0)
+            worker_init_fn=_WorkerStart(os.getpid(), states) if workers else None,
+            timeout=check_interval(spec.timeout) if workers else 0)  # slices: a dead worker is found in each
         self._it: Any = iter(loader)
         self._buffer: deque[Any] = deque()
         self.position = int(start["position"]) if start is not None else 0  # the stream position of self._buffer[0]
@@ -286,13 +298,17 @@ class StreamReader:
 
     def _refill(self, s: int) -> None:
         try:
-            chunk = next(self._it)
+            chunk = next_loaded(self._it, self.timeout)
         except StopIteration:
             self.count = self.position + len(self._buffer)
             if self._points:
                 self._points.append({"position": self.count, "workers": list(self._states)})
             self.close()
             return
+        except LoadStuck:
+            raise SampleLoadError(f"rank {self.rank}: a DataLoader worker spent over {self.timeout:.0f}s (the "
+                                  f"timeout) reading the stream up to position {s} (stuck in the dataset's "
+                                  "__iter__?)", rank=self.rank, indices=(s,)) from None
         except Exception as exc:
             raise SampleLoadError(f"rank {self.rank}: reading stream position {s} failed: "
                                   f"{describe_exception(exc)}", rank=self.rank, indices=(s,)) from None

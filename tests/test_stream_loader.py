@@ -233,12 +233,14 @@ def test_element_id_identities_missing_duplicated_or_mismatched_are_typed_errors
     server.spec, server.options = type("Spec", (), {"rank": 1})(), StreamSampler(element_id="id")
     server._ids, server._seen = {}, {7: 0}  # identity 7 consumed at position 0 before a checkpoint
     server._identify({"id": 3}, 1)
-    for element, position, field in (({"id": 7}, 2, 7), ({"id": 3}, 3, 3), ({"text": "x"}, 4, 4),
-                                     ({"id": "3"}, 5, 5), ("plain", 6, 6)):
+    server._identify({"id": __import__("numpy").int64(4)}, 2)  # a stream formatted for NumPy
+    for element, position, field in (({"id": 7}, 3, 7), ({"id": 3}, 4, 3), ({"text": "x"}, 5, 5),
+                                     ({"id": "3"}, 6, 6), ("plain", 7, 7), ({"id": True}, 8, 8),
+                                     ({"id": __import__("numpy").float64(9)}, 9, 9)):
         with pytest.raises(InvalidSampleError) as err:
             server._identify(element, position)
         assert err.value.rank == 1 and err.value.indices == (field,), (element, err.value)
-    assert server._ids == {1: 3}
+    assert server._ids == {1: 3, 2: 4} and all(type(i) is int for i in server._ids.values())
     loader = ODBDataLoader(_Empty(), config=ODBConfig(token_budget=64), rank=0, world_size=1, element_id="id")
     state = {"epoch": 0, "steps": 1, "consumed": [0, 1], "rank": 0, "world_size": 1, "seed": 0, "num_workers": 4}
     for ids in (None, [5]):
@@ -250,3 +252,114 @@ def test_element_id_identities_missing_duplicated_or_mismatched_are_typed_errors
     with pytest.raises(UnsupportedSettingError) as uerr:
         ODBDataLoader([1, 2], token_budget=64, rank=0, world_size=1, element_id="id")
     assert uerr.value.field == "element_id"
+
+
+class _DyingStream(__import__("torch").utils.data.IterableDataset):  # type: ignore[misc]
+    """Five elements, then its DataLoader worker dies (as an out-of-memory kill would end it)."""
+
+    def __iter__(self) -> Any:
+        import os
+
+        import torch
+
+        for k in range(1000):
+            if k == 5 and torch.utils.data.get_worker_info() is not None:
+                os._exit(3)
+            yield {"input_ids": [1 + k % 7] * (1 + k % 5)}
+
+
+def test_a_dead_stream_worker_is_a_typed_error_within_seconds_not_the_timeout() -> None:
+    """A stream's DataLoader worker that dies is reported as a SampleLoadError naming the rank
+    within a slice of the timeout (at most 5 s), as a map-style dataset's is. The case that
+    needs it: a trainer that already ran a multi-worker DataLoader forks the collate process,
+    which then inherits torch's "SIGCHLD handler set" flag with SIGCHLD reset to its default,
+    so no handler reports the death; before, the read waited the whole timeout (60 s here)."""
+    import time
+
+    import torch
+
+    from odb_core.errors import SampleLoadError
+
+    list(torch.utils.data.DataLoader(list(range(4)), num_workers=1))  # as a trainer's own DataLoader would
+    loader = ODBDataLoader(_DyingStream(), token_budget=64, buffer_size=8, num_workers=1, rank=0, world_size=1,
+                           timeout=60, start_method="fork")
+    started = time.monotonic()
+    try:
+        with pytest.raises(SampleLoadError) as err:
+            for _ in loader:
+                pass
+    finally:
+        loader.close()
+    assert err.value.rank == 0 and "exited unexpectedly" in str(err.value), err.value
+    assert time.monotonic() - started < 30, f"reported after {time.monotonic() - started:.0f}s"
+
+
+class _IdStream(__import__("torch").utils.data.IterableDataset):  # type: ignore[misc]
+    """60 elements of mixed lengths, element k with identity 1000 + k (its stream position + 1000)."""
+
+    def __iter__(self) -> Any:
+        return iter({"input_ids": [1] * (1 + (k * 37) % 23), "id": 1000 + k} for k in range(60))
+
+
+def test_a_stream_states_consumed_ids_name_the_elements_at_its_consumed_positions() -> None:
+    """``consumed_ids[k]`` is the identity of the element at ``consumed[k]`` (README "Streaming":
+    the identities of ``consumed``, in order), though batches deliver positions out of order;
+    a resumed loader's state keeps the pairing."""
+    from odb_torch import pad_collate
+
+    first = ODBDataLoader(_IdStream(), token_budget=64, buffer_size=16, num_workers=0, rank=0, world_size=1,
+                          element_id="id", collate_fn=pad_collate)
+    try:
+        delivered = []
+        for step, _ in enumerate(first):
+            delivered += list(first.step_info.indices)
+            if step == 4:
+                break
+        state = first.state_dict()
+    finally:
+        first.close()
+    assert delivered != sorted(delivered), "the check needs positions delivered out of order"
+    assert state["consumed_ids"] == [1000 + p for p in state["consumed"]]
+    again = ODBDataLoader(_IdStream(), token_budget=64, buffer_size=16, num_workers=0, rank=0, world_size=1,
+                          element_id="id", collate_fn=pad_collate)
+    try:
+        again.load_state_dict(state)
+        for step, _ in enumerate(again):
+            if step == 2:
+                break
+        later = again.state_dict()
+    finally:
+        again.close()
+    assert later["consumed_ids"] == [1000 + p for p in later["consumed"]] and len(later["consumed"]) > len(state["consumed"])
+
+
+def test_a_map_style_loader_refuses_a_streams_checkpoint() -> None:
+    """A stream's state names stream positions; a loader over a map-style dataset would take them
+    for sampler positions and skip and repeat other samples: a ResumeStateError naming the field."""
+    state = {"epoch": 0, "steps": 2, "consumed": [0, 1, 2, 5], "rank": 0, "world_size": 1, "seed": 0,
+             "stream": True, "num_workers": 2}
+    loader = ODBDataLoader([{"input_ids": [1, 2]}] * 8, token_budget=64, rank=0, world_size=1)
+    with pytest.raises(ResumeStateError) as err:
+        loader.load_state_dict(state)
+    assert err.value.field == "stream" and err.value.rank == 0
+    loader.load_state_dict({k: v for k, v in state.items() if k not in ("stream", "num_workers")})  # its own kind
+
+
+def test_a_stream_resume_point_above_an_unconsumed_position_is_refused() -> None:
+    """The read resumes at ``stream_resume``'s position, so every position below it must be
+    consumed; a state where one is not (edited, or paired with another state's positions) would
+    lose that element: a ResumeStateError naming the field, not a silent loss (P4)."""
+    from odb_torch.stream_loading import check_stream_start
+
+    class Resumable:
+        def state_dict(self) -> dict[str, int]:
+            return {}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            pass
+
+    start = {"position": 4, "workers": [None, {"shard": 1}]}
+    assert check_stream_start(start, 1, 2, Resumable(), [0, 1, 2, 3, 7])["position"] == 4
+    with pytest.raises(ResumeStateError) as err:
+        check_stream_start(start, 1, 2, Resumable(), [0, 1, 3, 7, 9])  # position 2 never trained
+    assert err.value.field == "stream_resume" and err.value.rank == 1
