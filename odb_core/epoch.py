@@ -228,6 +228,11 @@ class EpochDriver:
             raise UnsupportedSettingError(
                 f"rank {self.rank}: a shared-tail pool needs shared_tail > 0, views given as a list, and to resume "
                 "mid-epoch the pool's position (tail)", field="shared_tail", rank=self.rank)
+        if not pool and self.tail is not None and (self.tail.cursor or self.tail.claimed):
+            raise ResumeStateError(
+                f"rank {self.rank}: a resumed pooled epoch (pool cursor {self.tail.cursor}, {len(self.tail.claimed)} "
+                "claims) started without its pool: its claimed views would never be read (P4)",
+                field="pool_cursor", rank=self.rank)
         self.pool = pool if isinstance(pool, tuple) else tuple(pool)  # ranks may share one pool: read only
         self._pool_base = len(order)
         self.iteration += 1

@@ -236,7 +236,7 @@ def _run_iteration(
                 trace("Drain", None)
         ended, steps = gather_round(drivers)
         target = len(drivers[0].last_out)
-        result.payload_bytes += payload_bytes(target)
+        result.payload_bytes += payload_bytes(target, pooled=bool(drivers[0].config.shared_tail))
         if observer is not None:
             observer(protos)
         if ended:

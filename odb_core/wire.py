@@ -436,6 +436,7 @@ class StepGather:
             return value
 
 
-def payload_bytes(target: int) -> int:
-    """Bytes one rank sends in a round with target ``target`` (0 for a skip round)."""
-    return INT64_BYTES * (HEADER_LEN + (2 * target if target else 0))
+def payload_bytes(target: int, pooled: bool = False) -> int:
+    """Bytes one rank sends in a round with target ``target`` (0 for a skip round); ``pooled``:
+    under a shared tail, whose header has ``TAIL_HEADER_LEN`` fields."""
+    return INT64_BYTES * ((TAIL_HEADER_LEN if pooled else HEADER_LEN) + (2 * target if target else 0))

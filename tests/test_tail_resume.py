@@ -155,6 +155,18 @@ def test_a_pooled_position_that_does_not_fit_the_epoch_is_a_typed_error(tail, sk
     assert err.value.field == field and err.value.rank == 1
 
 
+def test_a_resumed_pool_position_without_its_pool_is_a_typed_error_not_lost_claims():
+    """A driver resumed at a pooled position (cursor and claims) must start its iteration with
+    the pool: without it the claimed views would be left out silently (P4); with a position that
+    claimed nothing, starting without a pool is harmless."""
+    config = ODBConfig(token_budget=64, buffer_size=4, shared_tail=0.25)
+    driver = EpochDriver(config, 0, 1, skip=[0], tail=TailPosition(3, (0, 2)))
+    with pytest.raises(ResumeStateError) as err:
+        driver.start_iteration([10, 11, 12], pool=())
+    assert err.value.field == "pool_cursor" and err.value.rank == 0
+    EpochDriver(config, 0, 1, skip=[0], tail=TailPosition(0, ())).start_iteration([10, 11, 12], pool=())
+
+
 def pooled_states(first: Sequence[Sequence[Record]], k: int, config: ODBConfig, n: int) -> list[dict[str, Any]]:
     """Every rank's loader state after its first ``k`` steps of a pooled epoch, as
     ``ODBDataLoader.state_dict`` writes it (positions in the pooled order, the pool's position)."""

@@ -89,6 +89,7 @@ def test_malformed_or_inconsistent_step_vector_raises(vectors, hdrs, target, err
 def test_payload_grows_with_groups_not_buffer():
     assert payload_bytes(0) == 56
     assert payload_bytes(10) == 56 + 160
+    assert payload_bytes(0, pooled=True) == 80 and payload_bytes(10, pooled=True) == 80 + 160  # 3 more fields
 
 
 def two_ranks():
