@@ -19,6 +19,7 @@ from test_elastic import run_views
 
 from odb_core import ODBConfig
 from odb_core import epoch as epoch_module
+from odb_core.config import BUDGETS, TARGET_POLICIES
 from odb_core.elastic import assign_views, merge_states
 from odb_core.epoch import Delivery, EpochDriver
 from odb_core.errors import ResumeStateError
@@ -70,9 +71,13 @@ def identity(views: Sequence[int], pool: Sequence[int], p: int) -> int:
 
 @st.composite
 def cases(draw: st.DrawFn) -> Case:
-    lengths = draw(st.lists(st.integers(1, 40), min_size=2, max_size=40))
+    """Both budgets (the packed one's reserve and held groups too), every target policy, regroup
+    on and off, zero-length samples among the rest."""
+    lengths = draw(st.lists(st.integers(0, 40), min_size=2, max_size=40))
     config = ODBConfig(token_budget=draw(st.sampled_from([40, 80])), buffer_size=draw(st.integers(1, 6)),
-                       seed=3, shuffle_steps=False, shared_tail=draw(st.sampled_from([0.1, 0.3, 0.6])))
+                       seed=3, shuffle_steps=False, shared_tail=draw(st.sampled_from([0.1, 0.3, 0.6])),
+                       budget=draw(st.sampled_from(BUDGETS)), target_policy=draw(st.sampled_from(TARGET_POLICIES)),
+                       regroup_padding=draw(st.sampled_from([0.02, None])))
     return lengths, draw(st.integers(1, 4)), config, draw(st.floats(0, 1))
 
 
