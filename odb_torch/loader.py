@@ -33,6 +33,7 @@ from odb_torch.elastic import (
     plan_resume,
     rank_share,
 )
+from odb_torch.inbox import Inbox
 from odb_torch.loader_options import CONFIG_DEFAULT, collate_rendezvous, protocol_config, rank_and_world
 from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, decode
 from odb_torch.pinning import pin_batch, pinning_available
@@ -49,6 +50,15 @@ from odb_torch.stream_loading import (
     stream_resume,
     stream_state,
 )
+
+
+def _signal_name(number: int) -> str:
+    """``SIGKILL`` for 9; ``signal 40`` for a number without a name (a real-time signal)."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
 
 SILENCE_GRACE = 2.0
 """The trainer waits ``timeout * SILENCE_GRACE`` for a live but silent collate process, so
@@ -216,6 +226,7 @@ class ODBDataLoader:
         self._proc: Any = None
         self._ctrl: Any = None
         self._out: Any = None
+        self._inbox: Inbox | None = None  # reads self._out in a thread (odb_torch.inbox)
         self._queue_size = queue_size
         self._step_info: StepInfo | None = None
         self._consumed: list[int] = []  # sampler positions yielded this epoch
@@ -384,6 +395,7 @@ class ODBDataLoader:
                                        name=f"odb-collate-rank{self.rank}", daemon=False)
         self._heard = False
         self._proc.start()
+        self._inbox = Inbox(self._out)
         close_at_exit(self)  # never let interpreter exit wait on the (non-daemon) collate process
 
     def __iter__(self) -> Iterator[Any]:
@@ -453,7 +465,8 @@ class ODBDataLoader:
         deadline = time.monotonic() + self.timeout * SILENCE_GRACE
         while True:
             try:
-                payload = self._out.get(timeout=1.0)
+                assert self._inbox is not None
+                payload = self._inbox.get(timeout=1.0)
             except (EOFError, OSError) as exc:  # the queue's pipe broke with its sender
                 self._proc.join(5.0)
                 self._fail(self._death() if not self._proc.is_alive() else CollateProcessError(
@@ -497,7 +510,7 @@ class ODBDataLoader:
         if code == 1 and not self._heard and self._start_method != "fork":  # died in the spawn bootstrap
             return CollateProcessError(f"rank {self.rank}: " + explain_start_failure(
                 (self._spec, self.sampler), self._start_method, code), rank=self.rank)
-        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        how = f"killed by {_signal_name(-code)}" if code is not None and code < 0 else f"exit code {code}"
         return CollateProcessError(f"rank {self.rank}: the collate process died ({how})", rank=self.rank)
 
     def _fail(self, exc: Exception) -> NoReturn:
@@ -526,6 +539,9 @@ class ODBDataLoader:
             proc.kill()
             proc.join()
         proc.close()
+        if self._inbox is not None:
+            self._inbox.stop()
+            self._inbox = None
         for q in (self._ctrl, self._out):
             q.cancel_join_thread()
             q.close()

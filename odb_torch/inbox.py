@@ -1,0 +1,79 @@
+"""Reading the collate process's output queue without ever blocking the trainer for good.
+
+``multiprocessing.Queue.get(timeout)`` bounds only the wait for a message's first bytes: the
+rest of it is read blocking, and the trainer holds the pipe's write end itself (its copy of
+the queue), so the read never sees the end of the pipe. A collate process killed (out of
+memory, ``kill -9``) while its queue's feeder thread was writing a batch over the pipe's
+64 KiB left the trainer blocked in that read forever (inline batches reach 4 MiB; the
+trainer's silence deadline and liveness checks were never reached). :class:`Inbox` reads in
+a thread of its own and hands each message over a one-slot in-process queue, on which the
+trainer waits with a timeout: it always gets back to checking whether the collate process
+lives, and reports its death as a typed error (``ODBDataLoader._receive``). Moving data only.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+POLL = 0.5
+"""Seconds the reading thread waits on the source or the slot before it looks at its stop flag."""
+
+
+@dataclass(frozen=True)
+class _Broken:
+    """The source's pipe broke (its sender is gone): ``error`` is raised by :meth:`Inbox.get`."""
+
+    error: BaseException
+
+
+class Inbox:
+    """Messages of ``source`` (a ``multiprocessing.Queue`` this process only reads), in order, one
+    read ahead at most. A thread stuck in the middle of a message whose sender died stays blocked
+    (a daemon thread, never joined for longer than :data:`POLL` twice); every other one ends on
+    :meth:`stop` within that time."""
+
+    def __init__(self, source: Any, poll: float = POLL) -> None:
+        self._source, self._poll = source, poll
+        self._slot: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pump, name="odb-inbox", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self._source.get(timeout=self._poll)
+            except queue.Empty:
+                continue
+            except (EOFError, OSError, ValueError) as exc:  # a broken pipe; ValueError: the queue was closed
+                self._hand(_Broken(exc))
+                return
+            if not self._hand(item):
+                return
+
+    def _hand(self, item: Any) -> bool:
+        """Put ``item`` in the slot once it is free; False if told to stop first."""
+        while not self._stop.is_set():
+            try:
+                self._slot.put(item, timeout=self._poll)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def get(self, timeout: float) -> Any:
+        """The next message; ``queue.Empty`` after ``timeout`` seconds without one; the pipe's
+        error (``EOFError``, ``OSError``) once it broke."""
+        item = self._slot.get(timeout=timeout)
+        if isinstance(item, _Broken):
+            self._slot.put(item)  # every later get() says so too
+            raise item.error
+        return item
+
+    def stop(self) -> None:
+        """Tell the reading thread to end, and wait for it (at most twice :data:`POLL`)."""
+        self._stop.set()
+        self._thread.join(2 * self._poll + 0.1)

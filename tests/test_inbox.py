@@ -1,0 +1,88 @@
+"""The trainer's reading of the collate process's queue (``odb_torch.inbox``): a collate process
+killed in the middle of writing a batch larger than the pipe (64 KiB) is a typed
+``CollateProcessError`` within seconds, not a trainer blocked forever in the middle of a read
+(``multiprocessing.Queue.get(timeout)`` bounds only the wait for a message's first bytes)."""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import os
+import queue
+import signal
+import termios
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from odb_core.errors import CollateProcessError
+from odb_torch import ODBDataLoader, pad_collate
+from odb_torch.inbox import Inbox
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_the_inbox_hands_messages_over_in_order_one_ahead_and_reports_a_broken_pipe():
+    source: queue.Queue[Any] = queue.Queue()
+    for k in range(3):
+        source.put(k)
+    inbox = Inbox(source, poll=0.05)
+    try:
+        assert [inbox.get(timeout=5) for _ in range(3)] == [0, 1, 2]
+        with pytest.raises(queue.Empty):
+            inbox.get(timeout=0.1)
+
+        class Broken:
+            def get(self, timeout: float) -> Any:
+                raise EOFError("the sender is gone")
+
+        broken = Inbox(Broken(), poll=0.05)
+        for _ in range(2):  # and every later get() too
+            with pytest.raises(EOFError):
+                broken.get(timeout=5)
+        broken.stop()
+    finally:
+        inbox.stop()
+
+
+def _blob_collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A padded batch plus 128 KiB per sample: every batch is larger than the pipe."""
+    return {**pad_collate([{"input_ids": s["input_ids"]} for s in samples]),
+            "blob": torch.stack([s["blob"] for s in samples])}
+
+
+def _pipe_bytes(fd: int) -> int:
+    held = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, held)
+    return held[0]
+
+
+def test_a_collate_process_killed_in_the_middle_of_a_large_batch_is_a_typed_error_within_seconds():
+    data = [{"input_ids": torch.arange(1 + i % 7), "blob": torch.zeros(1 << 15)} for i in range(64)]
+    loader = ODBDataLoader(data, token_budget=16, collate_fn=_blob_collate, num_workers=0, rank=0, world_size=1,
+                           timeout=5, queue_size=2, start_method="fork")
+    try:
+        batches = iter(loader)
+        next(batches)  # then a long training step: the collate process writes ahead into the pipe
+        fd, waited = loader._out._reader.fileno(), time.monotonic()
+        while _pipe_bytes(fd) < 32768:  # a batch over 64 KiB half in the pipe: its writer is mid-message
+            assert time.monotonic() - waited < 60, "the collate process never wrote ahead"
+        os.kill(loader._proc.pid, signal.SIGKILL)  # as an out-of-memory kill would
+        killed = time.monotonic()
+        with pytest.raises(CollateProcessError, match="SIGKILL") as err:
+            for _ in batches:
+                pass
+        assert err.value.rank == 0
+        assert time.monotonic() - killed < 30, "the trainer was blocked in the middle of a read"
+    finally:
+        loader.close()
+
+
+def test_a_signal_without_a_name_still_names_the_collate_process_death():
+    """A collate process killed by a real-time signal (no ``signal.Signals`` member) is still
+    described, not a ValueError raised while reporting its death."""
+    from odb_torch.loader import _signal_name
+
+    assert _signal_name(signal.SIGKILL) == "SIGKILL" and _signal_name(40) == "signal 40"
