@@ -126,3 +126,31 @@ def test_hf_trainer_missing_checkpoint_state_is_named(tiny, tmp_path):
     TrainerState(global_step=3).save_to_json(str(tmp_path / "checkpoint-3" / "trainer_state.json"))
     with pytest.raises(CheckpointStateError, match="odb_state_rank0.json is missing"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+
+
+def test_accelerate_refuses_an_accelerator_that_accumulates_itself():
+    """``Accelerator(gradient_accumulation_steps=k)`` divides every loss by k in its ``backward``,
+    on top of ODB's exact window weights (P7): every gradient k times too small, silently. Both
+    ``prepare`` and ``backward`` refuse it, naming the field and the rank; at 1 they proceed."""
+    import torch
+
+    from odb_core.errors import UnsupportedSettingError
+    from odb_torch.integrations.accelerate import backward, prepare
+    from odb_torch.step_info import StepInfo
+    from odb_torch.windows import MicroBatch
+
+    accelerate = pytest.importorskip("accelerate")
+    info = StepInfo(epoch=0, step=0, round=0, is_idle=False, local_samples=1, global_samples=1, local_tokens=4,
+                    global_tokens=4, loss_scale=1.0, weight_num=1, weight_den=1, over_budget=0, indices=(3,))
+    micro = MicroBatch(None, info, 0.25, 4, False, True)
+    weight = torch.nn.Parameter(torch.ones(4))
+    accelerator = accelerate.Accelerator(gradient_accumulation_steps=4, cpu=True)
+    with pytest.raises(UnsupportedSettingError) as err:
+        backward(accelerator, (weight * 1.0).sum(), micro, tokens=4)
+    assert err.value.field == "gradient_accumulation_steps" and err.value.rank == 0 and weight.grad is None
+    with pytest.raises(UnsupportedSettingError) as err:
+        prepare(accelerator, torch.nn.Linear(2, 2), torch.optim.SGD([weight], lr=0.1), [], token_budget=64)
+    assert err.value.field == "gradient_accumulation_steps"
+    ones = accelerate.Accelerator(gradient_accumulation_steps=1, cpu=True)
+    backward(ones, (weight * 1.0).sum(), micro, tokens=4)
+    assert weight.grad is not None and torch.equal(weight.grad, torch.full((4,), 0.25))  # the exact mean

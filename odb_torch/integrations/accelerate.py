@@ -35,7 +35,7 @@ import torch
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
-from odb_core.errors import LossTokenMismatchError
+from odb_core.errors import LossTokenMismatchError, UnsupportedSettingError
 from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import shifted_loss_tokens
 from odb_torch.padding_free import adapter_defaults
@@ -63,12 +63,29 @@ def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Opt
     """``accelerator.prepare(model, optimizer)`` plus ODB windows over ``dataset`` (lockstep mode).
 
     Under ``budget="packed"`` a model that would let packed sequences attend to each other is
-    refused first (:class:`~odb_core.errors.PackedAttentionError`)."""
+    refused first (:class:`~odb_core.errors.PackedAttentionError`), and so is an ``Accelerator``
+    with its own ``gradient_accumulation_steps`` (:func:`check_own_accumulation`)."""
+    check_own_accumulation(accelerator)
     adapter_defaults(model, loader_kwargs, accelerator.device)
     model, optimizer = accelerator.prepare(model, optimizer)
     windows = AccumulationWindows(odb_loader(accelerator, dataset, token_budget=token_budget, **loader_kwargs),
                                   accumulation_steps, pad_last_window=pad_last_window)
     return model, optimizer, windows
+
+
+def check_own_accumulation(accelerator: Any) -> None:
+    """:class:`~odb_core.errors.UnsupportedSettingError` (field ``gradient_accumulation_steps``)
+    for an ``Accelerator`` that accumulates itself: its ``backward`` divides every loss by its
+    count, on top of the windows' exact weights (P7), so every gradient would be that many times
+    too small. ODB's windows do the accumulation (``accumulation_steps``)."""
+    steps = getattr(accelerator, "gradient_accumulation_steps", 1)
+    if steps != 1:
+        rank = int(accelerator.process_index)
+        raise UnsupportedSettingError(
+            f"rank {rank}: Accelerator(gradient_accumulation_steps={steps}): its backward() would divide each loss "
+            f"by {steps} on top of ODB's exact window weights; leave the Accelerator's at 1 and pass "
+            "accumulation_steps to odb_torch.integrations.accelerate.prepare", field="gradient_accumulation_steps",
+            rank=rank)
 
 
 def sync_context(accelerator: Any, model: Any, micro: MicroBatch) -> contextlib.AbstractContextManager[Any]:
@@ -92,6 +109,7 @@ def backward(accelerator: Any, loss_sum: torch.Tensor, micro: MicroBatch,
             f"dataset indices {list(info.indices)}; make the loss and the loader's loss_tokens_fn count the same "
             "tokens (causal LMs: shifted labels, odb_torch.losses.shifted_loss_tokens)",
             rank=rank, indices=info.indices)
+    check_own_accumulation(accelerator)
     loss = loss_sum * micro.loss_multiplier
     accelerator.backward(loss)
     return loss
