@@ -258,12 +258,20 @@ class ODBDataLoader:
         Another epoch than the current one starts at its beginning: :meth:`state_dict` then holds
         nothing consumed (a position loaded by :meth:`load_state_dict` stays held, its epoch checked
         at ``iter``)."""
+        if epoch != self.epoch and self._epoch_open:  # a live iterator of the old epoch would append to the new
+            self._invalidate(f"set_epoch({epoch}) changed the epoch")
         if epoch != self.epoch and self._resume is None:
             self._consumed, self._steps, self._consumed_ids = [], 0, []
             self._tail = TailPosition(0, ())
             self._recent.clear()
             self._stream_point = None
         self.epoch = epoch
+
+    def _invalidate(self, reason: str) -> None:
+        """Make a live iterator raise :class:`LoaderStateError` on its next ``next()``; the next
+        ``iter(loader)`` restarts the collate process (the epoch it was in is abandoned)."""
+        self._generation += 1
+        self._stale_reason = reason
 
     def state_dict(self, unconsumed: int = 0) -> dict[str, Any]:
         """The loader's position at the current step boundary (take it on every rank at the same step).
@@ -339,6 +347,8 @@ class ODBDataLoader:
         """
         if self.config.mode != "join":
             raise NotImplementedError("load_state_dict resumes mid-epoch in join mode only")
+        if self._epoch_open:  # a live iterator would go on yielding, and append to the loaded position
+            self._invalidate("load_state_dict() loaded another position")
         tail = tail_resume(state, self.config.shared_tail, self.rank, self.world_size)
         if isinstance(self.sampler, StreamSampler):  # same world only (ResumeStateError otherwise)
             self._resume = stream_resume(state, self.rank, self.world_size, self.config.seed,

@@ -63,3 +63,33 @@ def test_a_checkpoint_after_set_epoch_of_the_next_epoch_resumes_all_of_it(finish
         assert sorted(ids) == list(range(n)), "P4: the resumed epoch must yield every view once"
     finally:
         resumed.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("call", ["load_state_dict", "set_epoch"])
+def test_a_live_iterator_is_stale_after_load_state_dict_or_a_new_epoch(call):
+    """Mid-epoch, ``load_state_dict`` (or ``set_epoch`` of another epoch) makes the live iterator
+    raise LoaderStateError on its next ``next()``: it used to go on yielding its epoch and append
+    to the loaded position (samples trained twice, a state_dict that named them twice). The next
+    loop then runs exactly what was loaded: every sample of the epoch once, across both."""
+    n = 24
+    loader = ODBDataLoader(ToyDataset(n), token_budget=64, rank=0, world_size=1, num_workers=0, buffer_size=4)
+    try:
+        loader.set_epoch(0)
+        live = iter(loader)
+        first = [i for _ in range(2) for i in _ids(next(live))]
+        state = loader.state_dict()
+        if call == "load_state_dict":
+            loader.load_state_dict(state)
+        else:
+            loader.set_epoch(1)
+        with pytest.raises(LoaderStateError, match=call) as caught:
+            next(live)
+        assert caught.value.rank == 0
+        rest = [i for batch in loader for i in _ids(batch)]
+        if call == "load_state_dict":
+            assert sorted(first + rest) == list(range(n)), "every sample of the epoch exactly once"
+        else:
+            assert sorted(rest) == list(range(n)), "epoch 1 whole"
+    finally:
+        loader.close()
