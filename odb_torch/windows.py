@@ -13,6 +13,7 @@ import glob
 import json
 import os
 import re
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -83,6 +84,8 @@ class AccumulationWindows:
         self._mid_window = False
         self._window = [0, 0, 0]
         self._resume: dict[str, Any] | None = None
+        # the counters as they were before each of this epoch's last micro-batches was handed out
+        self._before: deque[dict[str, Any]] = deque(maxlen=64)
 
     @property
     def world_size(self) -> int:
@@ -107,6 +110,7 @@ class AccumulationWindows:
             loader.set_epoch(self.epoch)
         self._resume = None
         self.at_epoch_end = False
+        self._before.clear()
         it = iter(loader)
 
         def pull() -> tuple[Any, StepInfo] | None:
@@ -139,6 +143,7 @@ class AccumulationWindows:
                                    items[-1].is_padding, True)
             self._window = [0, 0, 0]  # real micro-batches, samples and tokens handed out of this window
             for item in items:
+                self._before.append(self._counters())
                 if not item.is_padding:
                     self._read_ahead -= 1
                     self._count(item.info.global_samples, item.info.global_tokens)
@@ -164,22 +169,36 @@ class AccumulationWindows:
         self.samples_in_epoch = 0
         self.at_epoch_end = True
 
-    def state_dict(self) -> dict[str, Any]:
+    def _counters(self) -> dict[str, Any]:
+        """What :meth:`state_dict` reads, as it is now."""
+        return {"epoch": self.epoch, "epochs_completed": self.epochs_completed, "samples_seen": self.samples_seen,
+                "tokens_seen": self.tokens_seen, "updates": self.updates, "samples_in_epoch": self.samples_in_epoch,
+                "at_epoch_end": self.at_epoch_end, "mid_window": self._mid_window, "window": tuple(self._window),
+                "read_ahead": self._read_ahead}
+
+    def state_dict(self, ahead: int = 0) -> dict[str, Any]:
         """The position at the start of the current window (call on every rank at the same update).
 
         Taken between windows (after an optimizer step) it is exactly the current position.
         Taken inside a window (e.g. a trainer that fetched the next window's first batch
         ahead), the window's micro-batches handed out so far are handed back: their gradients
-        never reached the optimizer, so a resume trains them again, once (P4).
+        never reached the optimizer, so a resume trains them again, once (P4). ``ahead``: the
+        last micro-batches handed out that the trainer holds untrained (fetched ahead, as
+        Lightning does): the position is taken as before them, even when they make whole
+        windows or end the epoch (at most 64, of the current epoch).
         """
-        handed, samples, tokens = self._window if self._mid_window else (0, 0, 0)
-        loader_state = (None if self.at_epoch_end
-                        else self.loader.state_dict(unconsumed=self._read_ahead + handed))
+        if not 0 <= ahead <= len(self._before):
+            raise ValueError(f"ahead={ahead}: only the last {len(self._before)} micro-batches of this epoch can be "
+                             "handed back")
+        c = self._before[-ahead] if ahead else self._counters()
+        handed, samples, tokens = c["window"] if c["mid_window"] else (0, 0, 0)
+        loader_state = (None if c["at_epoch_end"]
+                        else self.loader.state_dict(unconsumed=c["read_ahead"] + handed))
         if self._resume is not None:  # restored and not iterated since: hand the same state on
             loader_state = self._resume.get("loader")
-        return {"version": 1, "epoch": self.epoch, "epochs_completed": self.epochs_completed,
-                "samples_seen": self.samples_seen - samples, "tokens_seen": self.tokens_seen - tokens,
-                "updates": self.updates, "samples_in_epoch": self.samples_in_epoch - samples,
+        return {"version": 1, "epoch": c["epoch"], "epochs_completed": c["epochs_completed"],
+                "samples_seen": c["samples_seen"] - samples, "tokens_seen": c["tokens_seen"] - tokens,
+                "updates": c["updates"], "samples_in_epoch": c["samples_in_epoch"] - samples,
                 "accumulation_steps": self.accumulation_steps, "loader": loader_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -197,6 +216,7 @@ class AccumulationWindows:
         self._mid_window = False
         self._window = [0, 0, 0]
         self._read_ahead = 0
+        self._before.clear()
         self._resume = dict(state)
 
 

@@ -42,8 +42,10 @@ class RecordingLM(guide.LitLM):
 def main() -> None:
     out, tag, stop_at, resume = sys.argv[1:5]
     budget = sys.argv[5] if len(sys.argv) > 5 else "padded"
+    accum = int(sys.argv[6]) if len(sys.argv) > 6 else 2  # K; and a checkpoint every this many updates:
+    every = int(sys.argv[7]) if len(sys.argv) > 7 else 4
     trainer, module, odb = guide.make(str(Path(out) / "run"), stop_at=int(stop_at), module_cls=RecordingLM,
-                                      budget=budget)
+                                      budget=budget, accum=accum, checkpoint_every=every)
     ckpt = None
     if resume == "1":
         ckpt = max(glob.glob(os.path.join(out, "run", "ckpt", "*.ckpt")), key=os.path.getmtime)

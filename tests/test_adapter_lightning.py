@@ -67,3 +67,20 @@ def test_lightning_resume_mid_epoch_exactly_once(world, budget, resumed_world, t
         check_packed_rows([rec for r in first + second for rec in r["records"]])
     total = 2 * second[0]["samples_per_epoch"]
     check_linear_lr_by_samples(second[0]["lrs"], 1e-3, total, round(0.1 * total))
+
+
+@pytest.mark.parametrize(("accum", "every", "stop"), [(1, 4, 6), (2, 10, 12)])
+def test_lightning_resume_when_the_batch_fetched_ahead_is_a_whole_window(accum, every, stop, tmp_path):
+    """Lightning fetches a micro-batch ahead of the one it trains. When that batch makes a whole
+    window (K=1), or the epoch's last, one-micro-batch window (K=2: epoch 0 has an odd count of
+    micro-batches here, and update 10 is its last), a checkpoint taken after the update before it
+    must leave it untrained: it used to be counted as trained and was lost on resume (P4)."""
+    run_torchrun(WORKER, [str(tmp_path), "a", str(stop), "0", "padded", str(accum), str(every)], 1)
+    first = json.loads((tmp_path / "a_rank0.json").read_text())
+    run_torchrun(WORKER, [str(tmp_path), "b", "0", "1", "padded", str(accum), str(every)], 1)
+    second = json.loads((tmp_path / "b_rank0.json").read_text())
+    assert second["ckpt"].endswith(f"step={every}.ckpt")
+    ahead = [rec for rec in first["records"] if rec["update"] == every and rec["epoch"] == 0]
+    assert len(ahead) == 1, f"the case: update {every} is one micro-batch of epoch 0, a whole window ({ahead})"
+    before = trained([first["records"]], keep=lambda rec: rec["update"] < every)
+    check_resume_exactly_once(before, trained([second["records"]]), N)

@@ -53,7 +53,7 @@ class StopAt(pl.Callback):
 
 
 def make(out_dir: str, epochs: int = 2, accum: int = 2, stop_at: int = 0, module_cls: type[LitLM] = LitLM,
-         budget: str = "padded") -> tuple[pl.Trainer, LitLM, ODBLightningCallback]:
+         budget: str = "padded", checkpoint_every: int = 4) -> tuple[pl.Trainer, LitLM, ODBLightningCallback]:
     torch.manual_seed(0)
     odb = ODBLightningCallback(TokenDataset(96), token_budget=256, accumulate_grad_batches=accum,
                                buffer_size=32, num_workers=1, timeout=120, budget=budget)
@@ -63,7 +63,8 @@ def make(out_dir: str, epochs: int = 2, accum: int = 2, stop_at: int = 0, module
         accumulate_grad_batches=accum, default_root_dir=out_dir, logger=False, enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[odb, StopAt(stop_at),
-                   ModelCheckpoint(dirpath=os.path.join(out_dir, "ckpt"), every_n_train_steps=4, save_top_k=-1)],
+                   ModelCheckpoint(dirpath=os.path.join(out_dir, "ckpt"), every_n_train_steps=checkpoint_every,
+                                   save_top_k=-1)],
     )
     return trainer, module_cls(odb, epochs), odb
 

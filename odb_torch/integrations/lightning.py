@@ -57,10 +57,12 @@ class _TrainBatches:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         k = self.owner.accumulate_grad_batches
+        self.owner._yielded = self.owner._started = 0  # Lightning fetches ahead within an epoch only
         for mb in self.owner.windows():
             if not isinstance(mb.batch, dict):
                 raise TypeError(f"ODBLightningCallback needs collate_fn to return a dict, got "
                                 f"{type(mb.batch).__name__} (dataset indices {list(mb.info.indices)})")
+            self.owner._yielded += 1
             yield {**mb.batch, **odb_fields(mb), "odb_accumulation": k}
 
 
@@ -89,6 +91,9 @@ class ODBLightningCallback(Callback):
         self._pending: dict[str, Any] | None = None  # a restored state, applied when the windows exist
         self._t0 = time.monotonic()
         self._samples0 = 0
+        # micro-batches of this epoch handed to Lightning, and those whose training step began: Lightning
+        # fetches ahead, so a checkpoint leaves the difference untrained (AccumulationWindows.state_dict(ahead))
+        self._yielded = self._started = 0
 
     # -- data -------------------------------------------------------------------------------
     def train_dataloader(self) -> _TrainBatches:
@@ -142,6 +147,9 @@ class ODBLightningCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._t0, self._samples0 = time.monotonic(), self.windows().samples_seen
 
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._started += 1
+
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not batch.get("odb_last_in_window"):
             return
@@ -157,8 +165,10 @@ class ODBLightningCallback(Callback):
 
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Every rank's position, gathered (Lightning writes the checkpoint from rank 0 only)."""
-        mine = self.windows().state_dict()
+        """Every rank's position, gathered (Lightning writes the checkpoint from rank 0 only): before
+        the micro-batches Lightning fetched ahead and has not begun to train (P4: a resume trains
+        them, once, whether they start a window, make whole ones, or end the epoch)."""
+        mine = self.windows().state_dict(ahead=max(self._yielded - self._started, 0))
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             ranks: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, mine)
