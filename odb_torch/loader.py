@@ -39,7 +39,13 @@ from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop
 from odb_torch.pinning import pin_batch, pinning_available
 from odb_torch.process_guard import close_at_exit
 from odb_torch.shared_tail import check_tail_sampler
-from odb_torch.start_failure import StartMethod, check_spawnable, explain_start_failure, resolve_start_method
+from odb_torch.start_failure import (
+    StartMethod,
+    check_spawnable,
+    explain_start_failure,
+    resolve_start_method,
+    unpicklable_error,
+)
 from odb_torch.step_info import StepInfo
 from odb_torch.stream_loading import (
     StreamSampler,
@@ -404,7 +410,15 @@ class ODBDataLoader:
         self._proc = self._ctx.Process(target=collate_main, args=(self._spec, sampler, self._ctrl, self._out),
                                        name=f"odb-collate-rank{self.rank}", daemon=False)
         self._heard = False
-        self._proc.start()
+        try:
+            self._proc.start()
+        except Exception as exc:
+            if self._start_method == "fork":
+                raise
+            self._proc = None  # nothing started: the next iter() tries again
+            for q in (self._ctrl, self._out):
+                q.close()
+            raise unpicklable_error(exc, self._start_method, self.rank) from exc
         self._inbox = Inbox(self._out)
         close_at_exit(self)  # never let interpreter exit wait on the (non-daemon) collate process
 

@@ -117,6 +117,16 @@ def check_spawnable(objects: Any, start_method: str, frame: FrameType | None, *,
             f"training code under that guard, {FIX}", rank=rank)
 
 
+def unpicklable_error(exc: Exception, start_method: str, rank: int | None) -> StartMethodError:
+    """What a ``start_method`` child that could not be given its objects raises instead of the
+    pickler's own error (they are pickled before the child is launched: nothing started)."""
+    return StartMethodError(
+        f"rank {rank}: the collate process ({start_method}) cannot start: pickling what it runs failed with "
+        f"{type(exc).__name__}: {exc}. Under {start_method} the dataset, collate_fn, length_fn, loss_tokens_fn "
+        "and sampler are pickled to it: define them at module level (no lambdas, local functions or open "
+        f"handles), {FIX}", rank=rank)
+
+
 def explain_start_failure(objects: Any, start_method: str, exitcode: int | None) -> str:
     """Cause and fix of a collate process that exited with ``exitcode`` before starting."""
     _, path = _main_file()

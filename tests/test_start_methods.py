@@ -157,3 +157,23 @@ def test_a_spawn_child_that_dies_while_importing_the_script_is_explained(tmp_pat
     assert proc.returncode != 0
     assert "CollateProcessError: rank 0: the collate process (spawn) could not start (exit code 1)" in proc.stderr
     assert f"re-importing your script {script}" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_spawn_with_an_unpicklable_collate_fn_is_a_start_method_error_every_time():
+    """Under spawn what the collate process runs is pickled to it; a local lambda cannot be. That
+    is a StartMethodError naming the rank and what to do, raised before any process starts, and
+    again on the next try (not a raw pickling error, then "the collate process is gone")."""
+    from odb_core.errors import StartMethodError
+    from odb_torch import ODBDataLoader, pad_collate
+
+    data = [{"input_ids": [1, 2, 3]}] * 8
+    loader = ODBDataLoader(data, token_budget=16, collate_fn=lambda s: pad_collate(s), rank=0, world_size=1,
+                           num_workers=0, start_method="spawn")
+    try:
+        for _ in range(2):
+            with pytest.raises(StartMethodError, match="pickling") as err:
+                next(iter(loader))
+            assert err.value.rank == 0 and "collate_fn" in str(err.value) and loader._proc is None
+    finally:
+        loader.close()
