@@ -154,3 +154,28 @@ def test_accelerate_refuses_an_accelerator_that_accumulates_itself():
     ones = accelerate.Accelerator(gradient_accumulation_steps=1, cpu=True)
     backward(ones, (weight * 1.0).sum(), micro, tokens=4)
     assert weight.grad is not None and torch.equal(weight.grad, torch.full((4,), 0.25))  # the exact mean
+
+
+@pytest.mark.parametrize(("idle", "padding", "tokens", "raises"), [
+    (False, False, 7, False), (False, False, 6, True), (False, False, None, False),
+    (True, False, 6, False), (False, True, 6, False),
+])
+def test_lightning_loss_checks_the_loss_token_count_when_given(idle, padding, tokens, raises):
+    """``ODBLightningCallback.loss(..., tokens=n)``: a count other than the loader's for a real
+    micro-batch is a LossTokenMismatchError with the rank and indices (P7's weights would be
+    silently wrong), as the HF and Accelerate adapters check; idle, padding and an omitted count
+    are not checked."""
+    pytest.importorskip("lightning")
+    import torch
+
+    from odb_core.errors import LossTokenMismatchError
+    from odb_torch.integrations.lightning import ODBLightningCallback
+
+    batch = {"odb_loss_multiplier": 0.5, "odb_accumulation": 2, "odb_local_tokens": 7, "odb_indices": [11, 12],
+             "odb_is_idle": idle, "odb_is_padding": padding}
+    if raises:
+        with pytest.raises(LossTokenMismatchError, match="6 tokens") as err:
+            ODBLightningCallback.loss(torch.tensor(3.0), batch, tokens=tokens)
+        assert (err.value.rank, err.value.indices) == (0, (11, 12))
+    else:
+        assert float(ODBLightningCallback.loss(torch.tensor(3.0), batch, tokens=tokens)) == 3.0

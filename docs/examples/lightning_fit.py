@@ -32,8 +32,8 @@ class LitLM(pl.LightningModule):
         self.odb, self.epochs = odb, epochs
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        loss_sum, _ = self.model(batch["input_ids"], batch["labels"])
-        return ODBLightningCallback.loss(loss_sum, batch)   # exact per-token mean over the window, all ranks
+        loss_sum, count = self.model(batch["input_ids"], batch["labels"])
+        return ODBLightningCallback.loss(loss_sum, batch, tokens=count)   # exact per-token mean over the window
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=1e-3)

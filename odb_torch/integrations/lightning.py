@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
 
-from odb_core.errors import CheckpointStateError
+from odb_core.errors import CheckpointStateError, LossTokenMismatchError
 from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import shifted_loss_tokens
 from odb_torch.padding_free import adapter_defaults
@@ -122,8 +122,22 @@ class ODBLightningCallback(Callback):
         return self._windows
 
     @staticmethod
-    def loss(loss_sum: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
-        """``loss_sum x W / window_tokens x K``: Lightning divides by K, DDP averages over W (P7)."""
+    def loss(loss_sum: torch.Tensor, batch: dict[str, Any], tokens: int | torch.Tensor | None = None) -> torch.Tensor:
+        """``loss_sum x W / window_tokens x K``: Lightning divides by K, DDP averages over W (P7).
+
+        ``tokens``: the number of tokens ``loss_sum`` summed over. Given, it must equal the
+        loader's count for the batch (``loss_tokens_fn``; shifted labels by default), else
+        :class:`~odb_core.errors.LossTokenMismatchError` naming the rank and dataset indices:
+        the weights are exact only when both count the same tokens."""
+        counted = batch["odb_local_tokens"]
+        if (tokens is not None and not (batch["odb_is_idle"] or batch["odb_is_padding"])
+                and int(tokens) != int(counted)):
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            raise LossTokenMismatchError(
+                f"rank {rank}: the loss summed over {int(tokens)} tokens, the loader measured {int(counted)} for "
+                f"dataset indices {list(batch['odb_indices'])}; make the loss and the loader's loss_tokens_fn "
+                "count the same tokens (causal LMs: shifted labels, odb_torch.losses.shifted_loss_tokens)",
+                rank=rank, indices=tuple(int(i) for i in batch["odb_indices"]))
         scaled: torch.Tensor = loss_sum * (batch["odb_loss_multiplier"] * batch["odb_accumulation"])
         return scaled
 
