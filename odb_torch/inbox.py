@@ -74,6 +74,17 @@ class Inbox:
         return item
 
     def stop(self) -> None:
-        """Tell the reading thread to end, and wait for it (at most twice :data:`POLL`)."""
+        """Tell the reading thread to end, wake it, and wait for it (at most twice :data:`POLL`;
+        the source's sender must be gone). Woken: a message in the slot is dropped (so a hand-over
+        waiting for room ends), and an empty message (None) is put on the source, so a read
+        waiting for the next message ends at once (the source full: the thread is not waiting)."""
         self._stop.set()
+        try:
+            self._slot.get_nowait()
+        except queue.Empty:
+            pass
+        try:
+            self._source.put_nowait(None)
+        except Exception:  # full, or closed: the thread is not waiting on it
+            pass
         self._thread.join(2 * self._poll + 0.1)

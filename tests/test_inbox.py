@@ -86,3 +86,19 @@ def test_a_signal_without_a_name_still_names_the_collate_process_death():
     from odb_torch.loader import _signal_name
 
     assert _signal_name(signal.SIGKILL) == "SIGKILL" and _signal_name(40) == "signal 40"
+
+
+@pytest.mark.parametrize("slot_full", [False, True])
+def test_stop_wakes_the_reading_thread_at_once(slot_full):
+    """``stop`` ends a thread waiting for a message (an idle source) or for room in the slot (a
+    message nobody took) at once, not after its poll interval: ``close()`` used to wait it out
+    (0.5 s a loader). With a poll of 30 s, a thread still alive after ``stop`` means it was not woken."""
+    source: queue.Queue[Any] = queue.Queue()
+    inbox = Inbox(source, poll=30)
+    if slot_full:
+        source.put("a")
+        source.put("b")  # "a" waits in the slot, the thread holds "b" waiting for room
+        while source.qsize():
+            pass
+    inbox.stop()
+    assert not inbox._thread.is_alive()
