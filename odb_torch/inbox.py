@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +49,7 @@ class Inbox:
                 item = self._source.get(timeout=self._poll)
             except queue.Empty:
                 continue
-            except (EOFError, OSError, ValueError) as exc:  # a broken pipe; ValueError: the queue was closed
+            except Exception as exc:  # a broken pipe (EOFError, OSError), a closed queue, anything: the trainer says it
                 self._hand(_Broken(exc))
                 return
             if not self._hand(item):
@@ -73,18 +74,17 @@ class Inbox:
             raise item.error
         return item
 
-    def stop(self) -> None:
-        """Tell the reading thread to end, wake it, and wait for it (at most twice :data:`POLL`;
-        the source's sender must be gone). Woken: a message in the slot is dropped (so a hand-over
-        waiting for room ends), and an empty message (None) is put on the source, so a read
-        waiting for the next message ends at once (the source full: the thread is not waiting)."""
+    def stop(self, wake: Callable[[], None] | None = None) -> None:
+        """Tell the reading thread to end, wake it, and wait for it (at most twice :data:`POLL`).
+        A message in the slot is dropped, so a hand-over waiting for room ends; ``wake`` (the
+        loader's: close this process's write end of the source's pipe, its sender gone) ends a
+        read waiting for the next message, or stuck in one whose sender died, with the end of the
+        pipe at once, where no other process holds a write end."""
         self._stop.set()
         try:
             self._slot.get_nowait()
         except queue.Empty:
             pass
-        try:
-            self._source.put_nowait(None)
-        except Exception:  # full, or closed: the thread is not waiting on it
-            pass
+        if wake is not None:
+            wake()
         self._thread.join(2 * self._poll + 0.1)

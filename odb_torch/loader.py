@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import pickle
 import queue
 import signal
 import time
@@ -56,6 +57,18 @@ from odb_torch.stream_loading import (
     stream_resume,
     stream_state,
 )
+
+
+def _close_writer(q: Any) -> None:
+    """Close this process's write end of ``q``'s pipe (``multiprocessing.Queue`` keeps it as
+    ``_writer``; nothing is written here): with its sender gone, a read of the pipe then ends
+    at once (:meth:`odb_torch.inbox.Inbox.stop`). Skipped where the queue has no such end."""
+    writer = getattr(q, "_writer", None)
+    try:
+        if writer is not None:
+            writer.close()
+    except OSError:
+        pass
 
 
 def _signal_name(number: int) -> str:
@@ -412,7 +425,7 @@ class ODBDataLoader:
         self._heard = False
         try:
             self._proc.start()
-        except Exception as exc:
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:  # what pickling the objects raises
             if self._start_method == "fork":
                 raise
             self._proc = None  # nothing started: the next iter() tries again
@@ -564,7 +577,7 @@ class ODBDataLoader:
             proc.join()
         proc.close()
         if self._inbox is not None:
-            self._inbox.stop()
+            self._inbox.stop(wake=lambda: _close_writer(self._out))
             self._inbox = None
         for q in (self._ctrl, self._out):
             q.cancel_join_thread()

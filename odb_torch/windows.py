@@ -81,6 +81,7 @@ class AccumulationWindows:
         self.at_epoch_end = False
         """True once the last micro-batch of an epoch has been handed out (until the next ``iter()``)."""
         self._read_ahead = 0  # batches pulled from the loader and not yet handed out
+        self._pulled = 0  # batches pulled from the loader this epoch
         self._mid_window = False
         self._window = [0, 0, 0]
         self._resume: dict[str, Any] | None = None
@@ -111,6 +112,7 @@ class AccumulationWindows:
         self._resume = None
         self.at_epoch_end = False
         self._before.clear()
+        self._pulled = 0
         it = iter(loader)
 
         def pull() -> tuple[Any, StepInfo] | None:
@@ -118,6 +120,7 @@ class AccumulationWindows:
                 batch = next(it)
             except StopIteration:
                 return None
+            self._pulled += 1
             return batch, loader.step_info
 
         nxt = pull()
@@ -174,7 +177,7 @@ class AccumulationWindows:
         return {"epoch": self.epoch, "epochs_completed": self.epochs_completed, "samples_seen": self.samples_seen,
                 "tokens_seen": self.tokens_seen, "updates": self.updates, "samples_in_epoch": self.samples_in_epoch,
                 "at_epoch_end": self.at_epoch_end, "mid_window": self._mid_window, "window": tuple(self._window),
-                "read_ahead": self._read_ahead}
+                "read_ahead": self._read_ahead, "pulled": self._pulled}
 
     def state_dict(self, ahead: int = 0) -> dict[str, Any]:
         """The position at the start of the current window (call on every rank at the same update).
@@ -192,8 +195,10 @@ class AccumulationWindows:
                              "handed back")
         c = self._before[-ahead] if ahead else self._counters()
         handed, samples, tokens = c["window"] if c["mid_window"] else (0, 0, 0)
-        loader_state = (None if c["at_epoch_end"]
-                        else self.loader.state_dict(unconsumed=c["read_ahead"] + handed))
+        # unconsumed: what was pulled and not handed out then, its window's micro-batches handed out
+        # before it (mid-window), and every batch pulled since (later windows' reads)
+        unconsumed = c["read_ahead"] + handed + self._pulled - c["pulled"]
+        loader_state = None if c["at_epoch_end"] else self.loader.state_dict(unconsumed=unconsumed)
         if self._resume is not None:  # restored and not iterated since: hand the same state on
             loader_state = self._resume.get("loader")
         return {"version": 1, "epoch": c["epoch"], "epochs_completed": c["epochs_completed"],

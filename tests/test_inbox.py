@@ -90,15 +90,26 @@ def test_a_signal_without_a_name_still_names_the_collate_process_death():
 
 @pytest.mark.parametrize("slot_full", [False, True])
 def test_stop_wakes_the_reading_thread_at_once(slot_full):
-    """``stop`` ends a thread waiting for a message (an idle source) or for room in the slot (a
-    message nobody took) at once, not after its poll interval: ``close()`` used to wait it out
-    (0.5 s a loader). With a poll of 30 s, a thread still alive after ``stop`` means it was not woken."""
-    source: queue.Queue[Any] = queue.Queue()
+    """``stop`` ends a thread waiting for a message (an idle queue) or for room in the slot (a
+    message nobody took) at once, not after its poll interval (``close()`` used to wait it out:
+    0.5 s a loader): the slot is emptied and the loader's wake-up closes this process's write end
+    of the pipe. With a poll of 30 s, a thread that was not woken would hold ``stop`` for 30 s."""
+    import multiprocessing
+
+    from odb_torch.loader import _close_writer
+
+    source = multiprocessing.get_context("fork").Queue()
     inbox = Inbox(source, poll=30)
-    if slot_full:
-        source.put("a")
-        source.put("b")  # "a" waits in the slot, the thread holds "b" waiting for room
-        while source.qsize():
-            pass
-    inbox.stop()
-    assert not inbox._thread.is_alive()
+    try:
+        if slot_full:
+            source.put("a")
+            source.put("b")  # "a" waits in the slot, the thread holds "b" waiting for room
+            waited = time.monotonic()
+            while not source.empty():
+                assert time.monotonic() - waited < 30, "the thread never read the queue"
+        started = time.monotonic()
+        inbox.stop(wake=lambda: _close_writer(source))
+        assert not inbox._thread.is_alive() and time.monotonic() - started < 5, "stop waited out the poll"
+    finally:
+        source.cancel_join_thread()
+        source.close()
