@@ -32,9 +32,9 @@ class _Broken:
 
 class Inbox:
     """Messages of ``source`` (a ``multiprocessing.Queue`` this process only reads), in order, one
-    read ahead at most. A thread stuck in the middle of a message whose sender died stays blocked
-    (a daemon thread, never joined for longer than :data:`POLL` twice); every other one ends on
-    :meth:`stop` within that time."""
+    read ahead at most. The reading thread is a daemon; :meth:`stop` ends it at once when woken
+    (the loader closes its write end of the pipe), else within twice :data:`POLL`, and a read
+    stuck in a message whose sender died ends only when no process holds a write end any more."""
 
     def __init__(self, source: Any, poll: float = POLL) -> None:
         self._source, self._poll = source, poll

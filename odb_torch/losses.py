@@ -9,13 +9,29 @@ so the first position never counts: :func:`shifted_loss_tokens` and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from odb_core.errors import LossTokenMismatchError
+
 IGNORE_INDEX = -100
+
+
+def check_loss_tokens(tokens: int | torch.Tensor, counted: int, indices: Sequence[int], rank: int,
+                      weighted: bool = True, what: str = "the loss") -> None:
+    """:class:`~odb_core.errors.LossTokenMismatchError` naming ``rank`` and the dataset
+    ``indices`` if ``what`` summed over ``tokens`` tokens where the loader counted ``counted``
+    (its ``loss_tokens_fn``): P7's weights are exact only when both count the same tokens.
+    ``weighted=False`` (an idle or padding micro-batch, weight 0): nothing to check."""
+    if weighted and int(tokens) != int(counted):
+        raise LossTokenMismatchError(
+            f"rank {rank}: {what} summed over {int(tokens)} tokens, the loader measured {int(counted)} for dataset "
+            f"indices {list(indices)}; make {what} and the loader's loss_tokens_fn count the same tokens (causal "
+            "LMs: shifted labels, odb_torch.losses.shifted_loss_tokens)",
+            rank=rank, indices=tuple(int(i) for i in indices))
 
 
 def shifted_loss_tokens(sample: Mapping[str, Any]) -> int:

@@ -35,9 +35,9 @@ import torch
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
-from odb_core.errors import LossTokenMismatchError, UnsupportedSettingError
+from odb_core.errors import UnsupportedSettingError
 from odb_torch.loader import ODBDataLoader
-from odb_torch.losses import shifted_loss_tokens
+from odb_torch.losses import check_loss_tokens, shifted_loss_tokens
 from odb_torch.padding_free import adapter_defaults
 from odb_torch.step_info import StepInfo
 from odb_torch.windows import AccumulationWindows, MicroBatch, load_windows_state, save_windows_state
@@ -102,13 +102,9 @@ def backward(accelerator: Any, loss_sum: torch.Tensor, micro: MicroBatch,
     :class:`~odb_core.errors.LossTokenMismatchError` naming the rank and dataset indices:
     the weights are exact only when both count the same tokens."""
     info = micro.info
-    if tokens is not None and not (info.is_idle or micro.is_padding) and int(tokens) != info.local_tokens:
-        rank = int(accelerator.process_index)
-        raise LossTokenMismatchError(
-            f"rank {rank}: the loss summed over {int(tokens)} tokens, the loader measured {info.local_tokens} for "
-            f"dataset indices {list(info.indices)}; make the loss and the loader's loss_tokens_fn count the same "
-            "tokens (causal LMs: shifted labels, odb_torch.losses.shifted_loss_tokens)",
-            rank=rank, indices=info.indices)
+    if tokens is not None:
+        check_loss_tokens(tokens, info.local_tokens, info.indices, int(accelerator.process_index),
+                          weighted=not (info.is_idle or micro.is_padding))
     check_own_accumulation(accelerator)
     loss = loss_sum * micro.loss_multiplier
     accelerator.backward(loss)

@@ -36,9 +36,8 @@ from transformers import Trainer, TrainerCallback, get_scheduler
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from odb_core.errors import LossTokenMismatchError
 from odb_torch.loader import ODBDataLoader
-from odb_torch.losses import causal_lm_loss_sum, logits_of, shifted_loss_tokens
+from odb_torch.losses import causal_lm_loss_sum, check_loss_tokens, logits_of, shifted_loss_tokens
 from odb_torch.padding_free import VARLEN_KEYS, adapter_defaults, budget_of, check_packed_attention
 from odb_torch.schedule import ProgressLR
 from odb_torch.windows import AccumulationWindows, MicroBatch, load_windows_state, save_windows_state
@@ -264,12 +263,8 @@ class ODBTrainer(Trainer):
         if not isinstance(mb, MicroBatch):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)  # evaluation batches
         loss_sum, count = self.odb_loss_sum_fn(model, forward_inputs(self.accelerator.unwrap_model(model), inputs))
-        if not (mb.info.is_idle or mb.is_padding) and int(count) != mb.info.local_tokens:
-            raise LossTokenMismatchError(
-                f"rank {self.args.process_index}: the loss summed over {int(count)} tokens, the loader measured "
-                f"{mb.info.local_tokens} for dataset indices {list(mb.info.indices)}; make loss_sum_fn and the "
-                "loader's loss_tokens_fn count the same tokens (causal LMs: shifted labels)",
-                rank=self.args.process_index, indices=mb.info.indices)
+        check_loss_tokens(count, mb.info.local_tokens, mb.info.indices, self.args.process_index,
+                          weighted=not (mb.info.is_idle or mb.is_padding), what="loss_sum_fn")
         loss = loss_sum * mb.loss_multiplier
         return (loss, None) if return_outputs else loss
 

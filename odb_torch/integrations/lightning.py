@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
 
-from odb_core.errors import CheckpointStateError, LossTokenMismatchError
+from odb_core.errors import CheckpointStateError
 from odb_torch.loader import ODBDataLoader
-from odb_torch.losses import shifted_loss_tokens
+from odb_torch.losses import check_loss_tokens, shifted_loss_tokens
 from odb_torch.padding_free import adapter_defaults
 from odb_torch.schedule import ProgressLR, warmup_cosine, warmup_linear
 from odb_torch.windows import AccumulationWindows, MicroBatch, load_windows_states
@@ -129,15 +129,10 @@ class ODBLightningCallback(Callback):
         loader's count for the batch (``loss_tokens_fn``; shifted labels by default), else
         :class:`~odb_core.errors.LossTokenMismatchError` naming the rank and dataset indices:
         the weights are exact only when both count the same tokens."""
-        counted = batch["odb_local_tokens"]
-        if (tokens is not None and not (batch["odb_is_idle"] or batch["odb_is_padding"])
-                and int(tokens) != int(counted)):
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-            raise LossTokenMismatchError(
-                f"rank {rank}: the loss summed over {int(tokens)} tokens, the loader measured {int(counted)} for "
-                f"dataset indices {list(batch['odb_indices'])}; make the loss and the loader's loss_tokens_fn "
-                "count the same tokens (causal LMs: shifted labels, odb_torch.losses.shifted_loss_tokens)",
-                rank=rank, indices=tuple(int(i) for i in batch["odb_indices"]))
+        if tokens is not None:
+            check_loss_tokens(tokens, batch["odb_local_tokens"], batch["odb_indices"],
+                              dist.get_rank() if dist.is_available() and dist.is_initialized() else 0,
+                              weighted=not (batch["odb_is_idle"] or batch["odb_is_padding"]))
         scaled: torch.Tensor = loss_sum * (batch["odb_loss_multiplier"] * batch["odb_accumulation"])
         return scaled
 
