@@ -275,7 +275,9 @@ class CollateServer:
             traceback.clear_frames(exc.__traceback__)
         self._close_loading()  # shut the DataLoader workers down now (a stuck one included)
         try:
-            self._put(Failure(error), watch_ctrl=False)
+            # a Stop while the Failure waits for room (the trainer closed without reading
+            # on) ends this process at once, as it does a batch's wait
+            self._put(Failure(error))
             # Batches already queued share their tensors through this process: stay
             # until the trainer has read the error and says stop (or is gone).
             while self._next_command() is not None:
@@ -547,7 +549,7 @@ class CollateServer:
             return encode(Failure(CollateProcessError(f"rank {rank}: {type(exc).__name__} pickling {item!r}",
                                                       rank=rank)))
 
-    def _put(self, item: Reply, watch_ctrl: bool = True) -> None:
+    def _put(self, item: Reply) -> None:
         """Put ``item`` on the bounded output queue, giving up if the trainer is gone or says stop."""
         payload = self._encode(item)
         while True:
@@ -557,12 +559,11 @@ class CollateServer:
             except queue.Full:
                 if os.getppid() != self.parent:
                     raise _ParentGone from None
-                if watch_ctrl:
-                    try:
-                        if isinstance(self.ctrl.get_nowait(), Stop):
-                            raise _ParentGone from None
-                    except queue.Empty:
-                        pass
+                try:
+                    if isinstance(self.ctrl.get_nowait(), Stop):
+                        raise _ParentGone from None
+                except queue.Empty:
+                    pass
 
     def _open_trace(self, cmd: StartEpoch) -> None:
         if self.trace_dir is None:

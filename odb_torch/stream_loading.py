@@ -421,7 +421,7 @@ class StreamServer(CollateServer):
         self._seen[ident] = s
         self._ids[s] = ident
 
-    def _put(self, item: Reply, watch_ctrl: bool = True) -> None:
+    def _put(self, item: Reply) -> None:
         """A batch carries the resume point below every stream position not yet delivered: a
         checkpoint after it restarts the dataset there (positions delivered above it are skipped)."""
         if isinstance(item, Batch):
@@ -434,7 +434,7 @@ class StreamServer(CollateServer):
             item = replace(item, resume=self._point)
             if self.options.element_id is not None and not item.info.is_idle:
                 item = replace(item, info=replace(item.info, indices=tuple(self._ids.pop(p) for p in item.positions)))
-        super()._put(item, watch_ctrl)
+        super()._put(item)
 
     def _as_error(self, exc: BaseException) -> ODBError:
         self._close_reader()

@@ -113,3 +113,38 @@ def test_stop_wakes_the_reading_thread_at_once(slot_full):
     finally:
         source.cancel_join_thread()
         source.close()
+
+
+class _FailsAfter:
+    """A collate_fn that pads its first ``good`` batches, then touches ``marker`` and raises."""
+
+    def __init__(self, good: int, marker: str) -> None:
+        self.calls, self.good, self.marker = 0, good, marker
+
+    def __call__(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        self.calls += 1
+        if self.calls > self.good:
+            open(self.marker, "w").close()
+            raise ValueError("a collate_fn bug")
+        return pad_collate(samples)
+
+
+def test_close_is_prompt_when_the_collate_process_failed_with_the_queue_full(tmp_path):
+    """A collate process whose collate_fn failed while the trainer was not reading (the queue
+    full: its Failure waits for room) stops at the trainer's ``close()`` at once. It used to
+    ignore the Stop while its Failure waited, so ``close`` waited out its whole timeout and
+    then terminated it (with the timeout of 30 s here, 30 s)."""
+    data = [{"input_ids": torch.arange(1 + i % 7)} for i in range(256)]
+    marker = tmp_path / "failed"
+    loader = ODBDataLoader(data, token_budget=16, collate_fn=_FailsAfter(5, str(marker)), num_workers=0, rank=0,
+                           world_size=1, timeout=30, queue_size=2, start_method="fork")
+    try:
+        next(iter(loader))  # then a long step: the collate process fills the queue and fails
+        waited = time.monotonic()
+        while not marker.exists():
+            assert time.monotonic() - waited < 60, "the collate_fn never failed"
+        started = time.monotonic()
+        loader.close(timeout=30)
+        assert time.monotonic() - started < 5, "close() waited for a collate process blocked on its Failure"
+    finally:
+        loader.close()
