@@ -21,13 +21,15 @@ with its :class:`~odb_core.tail.TailPosition` (:func:`tail_resume`).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from odb_core.errors import LoaderStateError, ResumeStateError, UnsupportedSettingError
 from odb_core.tail import TailPosition, resumed_positions
 
+OWN_FIELDS = ("rank", "world_size", "epoch", "steps", "seed", "consumed")
+"""What every rank state holds (``ODBDataLoader.state_dict``)."""
 AGREED_FIELDS = ("epoch", "steps", "seed", "total", "order_world")
 """The fields every rank's state must share for a merge."""
 ORDER_FIELDS = ("shuffle", "sampler_seed")
@@ -80,13 +82,17 @@ def rank_positions(state: Mapping[str, Any]) -> list[int]:
     return list(range(int(state["rank"]), int(state["total"]), world))
 
 
-def _agreed(states: Sequence[Mapping[str, Any]]) -> dict[str, int]:
-    """The fields every state shares; :class:`ResumeStateError` naming the first that differs."""
-    for key in ("rank", "world_size", "epoch", "steps", "seed", "consumed", "total"):
+def _require(states: Sequence[Mapping[str, Any]]) -> None:
+    """:class:`ResumeStateError` naming the first field some states lack (``ranks``: their places in the list)."""
+    for key in (*OWN_FIELDS, "total"):
         missing = [i for i, s in enumerate(states) if key not in s]
         if missing:
             raise ResumeStateError(f"loader states {missing} lack {key!r} (a state_dict of an older ODB "
                                    "cannot be resumed on another world size)", field=key, ranks=missing)
+
+
+def _agreed(states: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """The fields every state shares; :class:`ResumeStateError` naming the first that differs."""
     values: dict[str, int] = {}
     for key in AGREED_FIELDS:
         seen = [int(s.get(key, s["world_size"]) if key == "order_world" else s[key]) for s in states]
@@ -220,6 +226,7 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> GlobalState:
     streamed = [int(s.get("rank", -1)) for s in states if s.get("stream")]
     if streamed:
         raise stream_world_error(f"the states of ranks {streamed} come from streams", ranks=streamed)
+    _require(states)
     _check_ranks(states)
     agreed = _agreed(states)
     layout = _agreed_layout(states)
@@ -298,6 +305,45 @@ def check_order(recorded: Mapping[str, Any], current: Mapping[str, int], rank: i
                 f"rank {rank}: the checkpoint's sampler had {key}={int(recorded[key])}, this loader's has "
                 f"{key}={current[key]}: the epoch's order differs, so resuming would repeat some samples and skip "
                 f"others; build the loader with the first run's {key}", field=key, rank=rank)
+
+
+def check_own_state(state: Mapping[str, Any], rank: int, seed: int) -> None:
+    """A rank's own state resumed on its world size: :class:`ResumeStateError` naming the field
+    unless it holds every :data:`OWN_FIELDS` entry, is this ``rank``'s and ``seed``'s, its
+    consumed positions are distinct and non-negative (``indices``: the bad ones) and, for an
+    elastic share, its views lie inside its order (P4: a position twice, or one the epoch does not
+    have, would repeat a sample or be dropped silently). Whether the positions fit this loader's
+    sampler is the caller's check (:func:`check_positions`)."""
+    missing = [k for k in OWN_FIELDS if k not in state]
+    if missing:
+        raise ResumeStateError(f"rank {rank}: the state lacks {missing}", field=missing[0], rank=rank)
+    for key, mine in (("rank", rank), ("seed", seed)):
+        if state[key] != mine:
+            raise ResumeStateError(f"rank {rank}: the state's {key}={state[key]!r} is not this loader's {mine!r}",
+                                   field=key, ranks=[int(state["rank"])], rank=rank)
+    consumed = [int(p) for p in state["consumed"]]
+    bad = sorted({p for p in consumed if p < 0} | {p for p, c in Counter(consumed).items() if c > 1})
+    if bad:
+        raise ResumeStateError(f"rank {rank}: consumed positions {bad[:8]} are negative or listed twice",
+                               field="consumed", ranks=[rank], indices=bad, rank=rank)
+    if state.get("views") is not None:
+        views, total = [int(g) for g in state["views"]], int(state.get("total", -1))
+        outside = sorted({g for g in views if not 0 <= g < total} | {g for g, c in Counter(views).items() if c > 1})
+        if outside:
+            raise ResumeStateError(f"rank {rank}: views {outside[:8]} repeat or lie outside the order of {total}",
+                                   field="views", ranks=[rank], indices=outside, rank=rank)
+        check_positions(consumed, len(views), rank)
+
+
+def check_positions(consumed: Iterable[int], positions: int, rank: int) -> None:
+    """:class:`ResumeStateError` (``field="consumed"``, ``indices``) unless every consumed position
+    indexes one of the epoch's ``positions`` sampler positions (P4: one outside would be skipped
+    by nothing and mean the checkpoint is of another dataset or sampler)."""
+    bad = sorted({int(p) for p in consumed if not 0 <= int(p) < positions})
+    if bad:
+        raise ResumeStateError(f"rank {rank}: consumed positions {bad[:8]} are outside this rank's {positions} "
+                               "sampler positions (a checkpoint of another dataset, sampler or drop_last?)",
+                               field="consumed", ranks=[rank], indices=bad, rank=rank)
 
 
 def check_resumed_epoch(loaded: int | None, epoch: int, rank: int) -> None:

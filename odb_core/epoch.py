@@ -37,6 +37,7 @@ from itertools import accumulate
 from typing import Any
 
 from odb_core.config import ODBConfig
+from odb_core.elastic import check_positions
 from odb_core.errors import (
     ConfigMismatchError,
     NonJoinStalledError,
@@ -257,6 +258,8 @@ class EpochDriver:
         if self.pool and self.tail is not None:
             self.pool_cursor = self.tail.cursor
             return resumed_positions(own, len(self.pool), self.skip, self.tail, self.rank)
+        if not self.stream:  # P4: a position the epoch lacks is a resume of another one (a stream's grow)
+            check_positions(self.skip, own, self.rank)
         return [p for p in range(own) if p not in self.skip]
 
     @property

@@ -104,6 +104,25 @@ def plan_resume(sampler: Any, rank: int, world: int, seed: int,
                                 merged.total, merged.order_tail)
 
 
+def check_state_total(state: Mapping[str, Any], sampler: Any, share: ElasticEpoch | None, rank: int) -> None:
+    """A rank's own state against this loader's plain ``DistributedSampler``: the order it indexes
+    (``total`` views of ``order_world`` ranks, the padded or pooled layout it recorded) must be the
+    one this dataset and ``drop_last`` give, else :class:`ResumeStateError` (``field="total"``): its
+    positions would name other samples, some twice and some never (P4). Other samplers, and states
+    of an older ODB without ``total``, are checked as the epoch starts (positions in range)."""
+    if type(sampler) is not DistributedSampler or "total" not in state:
+        return
+    if share is not None:
+        world, tail = share.order_world, share.order_tail
+    else:
+        world, tail = int(state.get("order_world", state["world_size"])), float(state.get("shared_tail") or 0.0)
+    expected = order_total(sampler, world, tail)
+    if expected != int(state["total"]):
+        raise ResumeStateError(
+            f"rank {rank}: the checkpoint's order holds {int(state['total'])} views, this dataset and sampler give "
+            f"{expected} on {world} ranks (another dataset or drop_last?)", field="total", ranks=[rank], rank=rank)
+
+
 def rank_share(state: Mapping[str, Any]) -> ElasticEpoch | None:
     """The elastic share a same-world rank state carries (``views``), or None."""
     if state.get("views") is None:

@@ -18,7 +18,7 @@ from torch.utils.data import Dataset, DistributedSampler, default_collate
 
 from odb_core import ODBConfig
 from odb_core.config import BudgetName, LossScaling, Mode, TargetPolicyName
-from odb_core.elastic import check_resumed_epoch, deals_views, tail_resume
+from odb_core.elastic import check_own_state, check_resumed_epoch, deals_views, tail_resume
 from odb_core.epoch import EpochDriver
 from odb_core.errors import CollateProcessError, LoaderStateError, PeerError, ResumeStateError, UnsupportedSettingError
 from odb_core.sampler import pool_size
@@ -29,6 +29,7 @@ from odb_torch.elastic import (
     ElasticOrder,
     check_order,
     check_sampler,
+    check_state_total,
     order_fields,
     order_total,
     plan_resume,
@@ -308,8 +309,9 @@ class ODBDataLoader:
         own state (:func:`odb_core.elastic.tail_resume`).
         """
         if self.config.mode != "join":
-            raise NotImplementedError("state_dict/load_state_dict resume mid-epoch in join mode only; "
-                                      "in non-join mode checkpoint at epoch boundaries")
+            raise UnsupportedSettingError(f"rank {self.rank}: state_dict/load_state_dict resume mid-epoch in join "
+                                          "mode only; in non-join mode checkpoint at epoch boundaries", field="mode",
+                                          rank=self.rank)
         if not 0 <= unconsumed <= len(self._recent):
             raise ValueError(f"unconsumed={unconsumed}: only the last {len(self._recent)} yielded batches "
                              "of this epoch can be handed back")
@@ -365,7 +367,9 @@ class ODBDataLoader:
         otherwise); states that are not one step boundary raise :class:`ResumeStateError`.
         """
         if self.config.mode != "join":
-            raise NotImplementedError("load_state_dict resumes mid-epoch in join mode only")
+            raise UnsupportedSettingError(f"rank {self.rank}: load_state_dict resumes mid-epoch in join mode only; "
+                                          "in non-join mode checkpoint at epoch boundaries", field="mode",
+                                          rank=self.rank)
         if self._epoch_open:  # a live iterator would go on yielding, and append to the loaded position
             self._invalidate("load_state_dict() loaded another position")
         tail = tail_resume(state, self.config.shared_tail, self.rank, self.world_size)
@@ -384,11 +388,10 @@ class ODBDataLoader:
                                    "it with the stream", field="stream", rank=self.rank)
         if isinstance(state, Mapping) and state.get("kind") != "odb-global" and (
                 state.get("world_size") == self.world_size):
-            for key, mine in (("rank", self.rank), ("seed", self.config.seed)):
-                if state.get(key) != mine:
-                    raise ValueError(f"state_dict {key}={state.get(key)!r} does not match this loader's {mine!r}")
+            check_own_state(state, self.rank, self.config.seed)
             check_order(state, self.sampler, self.rank)
             share = rank_share(state)
+            check_state_total(state, self.sampler, share, self.rank)
             self.epoch = int(state["epoch"])
             self._resume = (self.epoch, list(state["consumed"]), int(state["steps"]))
             self._tail_resume = tail
@@ -441,10 +444,12 @@ class ODBDataLoader:
         does iterating another epoch than the one :meth:`load_state_dict` loaded (it would discard it)."""
         epoch = self.epoch
         check_resumed_epoch(None if self._resume is None else self._resume[0], epoch, self.rank)
-        if self._epoch_open:
+        if self._epoch_open or (self._elastic is not None and self._resume is None):
             # the previous iteration was abandoned mid-epoch (break): the collate process
-            # is still in that epoch and its queued batches are stale, so restart it
+            # is still in that epoch and its queued batches are stale, so restart it; an
+            # elastic share was served (or abandoned) once: a later pass runs the plain sampler
             self.close()
+            self._elastic = None if self._resume is None else self._elastic
         self._generation += 1
         generation = self._generation
         self._stale_reason = "it was superseded by a newer iter(loader) (one live iterator per loader)"

@@ -15,11 +15,12 @@ import os
 import re
 from collections import deque
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from odb_core.elastic import global_state_from
-from odb_core.errors import CheckpointStateError, ResumeStateError
+from odb_core.errors import CheckpointStateError, ODBError, ResumeStateError
 from odb_core.sampler import epoch_views
 from odb_torch.step_info import StepInfo
 
@@ -286,7 +287,9 @@ def load_windows_state(windows: AccumulationWindows, folder: str) -> None:
 
     A checkpoint of another world size (join mode): every rank's file in ``folder`` is read and
     merged (:func:`load_windows_states`). Raises :class:`~odb_core.errors.CheckpointStateError`
-    naming the file when it is missing or does not fit this run (rank, seed, accumulation steps).
+    naming the file when it is missing or malformed; a state that does not fit this run raises
+    the loader's typed error (:class:`~odb_core.errors.ResumeStateError`, a CheckpointStateError,
+    naming the field; :class:`~odb_core.errors.UnsupportedSettingError`), noted with the file.
     """
     rank, world = windows.loader.rank, windows.loader.world_size
     found = {int(m.group(1)): p for p in glob.glob(os.path.join(glob.escape(folder), "odb_state_rank*.json"))
@@ -295,20 +298,30 @@ def load_windows_state(windows: AccumulationWindows, folder: str) -> None:
     path = state_file(folder, rank)
     worlds = {_world_of(s) for s in states.values()} - {None, world}
     if worlds or (states and rank not in states and len(states) != world):
-        try:
+        with loading_state(f"{folder} (resuming {len(states)} ranks' states on {world})", rank):
             load_windows_states(windows, list(states.values()))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointStateError(f"{folder} (resuming {len(states)} ranks' states on {world}): {exc}") from exc
         return
     if rank not in states:
         raise CheckpointStateError(f"{path} is missing: checkpoint {folder} holds no ODB state for rank {rank}")
     state = states[rank]
-    try:
+    with loading_state(path, rank):
         windows.load_state_dict(state)
         if state.get("loader") is not None:
             windows.loader.load_state_dict(state["loader"])  # validates rank, world size and seed
+
+
+@contextmanager
+def loading_state(where: str, rank: int) -> Iterator[None]:
+    """Errors loading the state at ``where``: ODB's typed ones go on as they are (their ``field``,
+    ``ranks`` and ``indices`` kept), with a note naming ``where``; a malformed state's (a missing
+    key, a wrong type) become :class:`CheckpointStateError` naming ``where`` and this ``rank``."""
+    try:
+        yield
+    except ODBError as exc:
+        exc.add_note(f"rank {rank}: loading ODB's state from {where}")
+        raise
     except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointStateError(f"{path}: {exc}") from None
+        raise CheckpointStateError(f"rank {rank}: {where}: {type(exc).__name__}: {exc}", rank=rank) from exc
 
 
 def _read(path: str) -> dict[str, Any]:

@@ -215,8 +215,9 @@ def test_elastic_resume_refuses_a_custom_sampler_a_non_join_loader_and_a_lone_st
     with pytest.raises(UnsupportedSettingError) as err:
         loader(3, sampler=ShardSampler([0, 1])).load_state_dict(states)
     assert err.value.field == "sampler"
-    with pytest.raises(NotImplementedError, match="join mode only"):
+    with pytest.raises(UnsupportedSettingError, match="join mode only") as non_join:
         loader(3, mode="non-join").load_state_dict(states)
+    assert non_join.value.field == "mode"
     with pytest.raises(ResumeStateError) as lone:
         loader(3).load_state_dict(states[0])
     assert lone.value.field == "kind"

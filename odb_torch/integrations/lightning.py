@@ -38,7 +38,7 @@ from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import check_loss_tokens, shifted_loss_tokens
 from odb_torch.padding_free import adapter_defaults
 from odb_torch.schedule import ProgressLR, warmup_cosine, warmup_linear
-from odb_torch.windows import AccumulationWindows, MicroBatch, load_windows_states
+from odb_torch.windows import AccumulationWindows, MicroBatch, load_windows_states, loading_state
 
 
 def odb_fields(mb: MicroBatch) -> dict[str, Any]:
@@ -108,7 +108,7 @@ class ODBLightningCallback(Callback):
         if self._pending is not None:
             states = self._pending["ranks"]
             rank = self._windows.loader.rank
-            try:
+            with loading_state("the checkpoint's ODBLightningCallback state", rank):
                 if len(states) != self._windows.loader.world_size:  # resume on another world size: merge them
                     load_windows_states(self._windows, states)
                     self._pending = None
@@ -116,8 +116,6 @@ class ODBLightningCallback(Callback):
                 self._windows.load_state_dict(states[rank])
                 if states[rank].get("loader") is not None:
                     self._windows.loader.load_state_dict(states[rank]["loader"])
-            except (ValueError, KeyError) as exc:
-                raise CheckpointStateError(f"ODB state of rank {rank} in the checkpoint: {exc}") from None
             self._pending = None
         return self._windows
 

@@ -1,0 +1,150 @@
+"""Resume states that do not fit the resuming loader are typed errors naming the field (P4: a
+state's positions naming other samples would repeat some and drop others, silently), on the
+same-world path as on the elastic one, and through the trainer adapters' checkpoint loading with
+their ``field``, ``ranks`` and ``indices`` kept."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DistributedSampler
+from torch_support import ShardSampler, ToyDataset
+
+from odb_core.config import ODBConfig
+from odb_core.elastic import merge_states
+from odb_core.epoch import EpochDriver
+from odb_core.errors import (
+    CheckpointStateError,
+    ResumeStateError,
+    UnsupportedSettingError,
+)
+from odb_torch import ODBDataLoader, pad_collate
+from odb_torch.windows import AccumulationWindows, load_windows_state, state_file
+
+pytestmark = pytest.mark.timeout(120)
+
+BASE = {"epoch": 0, "steps": 2, "seed": 0, "shuffle": 1, "sampler_seed": 0}
+
+
+def _loader(n: int = 40, world: int = 2, rank: int = 0, **kw: Any) -> ODBDataLoader:
+    return ODBDataLoader(ToyDataset(n), token_budget=256, collate_fn=pad_collate, num_workers=0, rank=rank,
+                         world_size=world, init_method="tcp://127.0.0.1:1", **kw)
+
+
+def _own(world: int = 2, rank: int = 0, total: int = 40, **kw: Any) -> dict[str, Any]:
+    return {**BASE, "rank": rank, "world_size": world, "order_world": world, "total": total,
+            "consumed": [0, 1, 2], **kw}
+
+
+def test_a_same_world_state_of_another_dataset_size_is_refused_naming_total():
+    """A checkpoint of 40 samples loaded into a loader over 30: accepted before, it then yielded
+    three samples twice and three never."""
+    with pytest.raises(ResumeStateError) as err:
+        _loader(n=30).load_state_dict(_own(total=40))
+    assert err.value.field == "total" and err.value.rank == 0
+    _loader(n=40).load_state_dict(_own(total=40))  # the fitting one is accepted
+
+
+def test_a_same_world_share_of_another_dataset_is_refused_before_the_epoch_starts():
+    share = _own(world=2, views=list(range(20, 40)), pool=20, order_world=1, total=40)
+    with pytest.raises(ResumeStateError) as err:
+        _loader(n=30).load_state_dict(share)
+    assert err.value.field == "total"
+
+
+@pytest.mark.parametrize(("change", "field"), [({"rank": 1}, "rank"), ({"seed": 5}, "seed"),
+                                               ({"consumed": [4, 4]}, "consumed"), ({"consumed": [-3]}, "consumed"),
+                                               ({"views": [0, 99], "pool": 2}, "views")])
+def test_a_same_world_state_that_is_not_this_ranks_is_a_resume_state_error_naming_the_field(change, field):
+    with pytest.raises(ResumeStateError) as err:
+        _loader().load_state_dict(_own(**change))
+    assert err.value.field == field and err.value.rank == 0
+    if field in ("consumed", "views"):
+        assert err.value.indices, "the bad positions are named"
+
+
+@settings(max_examples=60, deadline=None)
+@given(own=st.integers(0, 12), skip=st.sets(st.integers(-3, 20), max_size=6))
+def test_the_driver_refuses_a_skip_outside_the_epochs_positions(own, skip):
+    """P4: the core starts a resumed epoch only from positions it has; one outside them (a
+    checkpoint of another sampler) is a ResumeStateError naming them, not ignored."""
+    driver = EpochDriver(ODBConfig(token_budget=64), rank=0, world=1, epoch=0, skip=sorted(skip))
+    bad = sorted(p for p in skip if not 0 <= p < own)
+    if bad:
+        with pytest.raises(ResumeStateError) as err:
+            driver.start_iteration(list(range(own)))
+        assert err.value.field == "consumed" and list(err.value.indices) == bad
+    else:
+        driver.start_iteration(list(range(own)))
+        assert driver.kept == [p for p in range(own) if p not in skip]
+
+
+@pytest.mark.parametrize("key", ["world_size", "rank"])
+def test_merging_states_that_lack_a_key_names_it(key):
+    states = [{k: v for k, v in _own(rank=r).items() if k != key} for r in (0, 1)]
+    with pytest.raises(ResumeStateError) as err:
+        merge_states(states)
+    assert err.value.field == key
+
+
+def test_state_dict_in_non_join_mode_is_an_unsupported_setting_naming_mode():
+    loader = _loader(mode="non-join")
+    for call in (loader.state_dict, lambda: loader.load_state_dict(_own())):
+        with pytest.raises(UnsupportedSettingError) as err:
+            call()
+        assert err.value.field == "mode" and err.value.rank == 0
+
+
+def _window_state(loader_state: dict[str, Any]) -> dict[str, Any]:
+    return {"version": 1, "epoch": 0, "epochs_completed": 0, "samples_seen": 0, "tokens_seen": 0, "updates": 1,
+            "samples_in_epoch": 0, "accumulation_steps": 1, "loader": loader_state}
+
+
+def _checkpoint(folder: Path, states: list[dict[str, Any]]) -> str:
+    for s in states:
+        Path(state_file(str(folder), s["rank"])).write_text(json.dumps(_window_state(s)))
+    return str(folder)
+
+
+def test_checkpoint_loading_keeps_the_typed_errors_fields_and_names_the_file(tmp_path):
+    """``load_windows_state`` (HF Trainer and Accelerate resume) used to re-raise a bare
+    CheckpointStateError: ``field``, ``ranks`` and ``indices`` lost, an unsupported sampler no
+    longer an UnsupportedSettingError."""
+    (tmp_path / "a").mkdir()
+    elastic = _checkpoint(tmp_path / "a", [_own(rank=0), _own(rank=1, consumed=[999])])
+    with pytest.raises(ResumeStateError) as err:
+        load_windows_state(AccumulationWindows(_loader(world=1), 1), elastic)
+    assert (err.value.field, err.value.ranks, err.value.indices) == ("consumed", (1,), (999,))
+    assert any(elastic in note for note in err.value.__notes__)
+    _checkpoint(tmp_path / "a", [_own(rank=0), _own(rank=1)])
+    with pytest.raises(UnsupportedSettingError) as unsupported:
+        load_windows_state(AccumulationWindows(_loader(world=1, sampler=ShardSampler(list(range(40)))), 1), elastic)
+    assert unsupported.value.field == "sampler"
+    (tmp_path / "b").mkdir()
+    same = _checkpoint(tmp_path / "b", [_own(rank=0, sampler_seed=7)])
+    with pytest.raises(ResumeStateError) as order:
+        load_windows_state(AccumulationWindows(_loader(), 1), same)
+    assert order.value.field == "sampler_seed" and isinstance(order.value, CheckpointStateError)
+
+
+def test_an_elastic_share_is_served_once_a_later_pass_of_the_epoch_is_whole():
+    """After an elastic resume (W=2 states on W=1) of epoch 0, a second pass of epoch 0 (no
+    set_epoch to another number) used to serve the dealt remainder again; now it serves the whole
+    epoch, as a same-world resume does."""
+    states = [_own(rank=r, consumed=list(range(10))) for r in (0, 1)]
+    loader = _loader(world=1, buffer_size=8, timeout=30)
+    try:
+        loader.load_state_dict(states)
+        served = []
+        for _ in range(2):
+            loader.set_epoch(0)
+            served.append(sorted(i for _ in loader for i in loader.step_info.indices))
+        order = list(DistributedSampler(ToyDataset(40), num_replicas=1, rank=0, seed=0))
+        assert len(served[0]) == 20 and served[1] == sorted(order)
+    finally:
+        loader.close()
