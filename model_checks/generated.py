@@ -119,9 +119,11 @@ def run_tlc(module: str, cfg: str, modules: dict[str, str], args: Sequence[str],
 
 
 def outcome(text: str) -> str:
-    """``ok``, ``invariant:<Name>``, ``deadlock`` or ``error`` from TLC's output."""
+    """``ok``, ``invariant:<Name>``, ``action:<Name>``, ``deadlock`` or ``error`` from TLC's output."""
     if m := re.search(r"Invariant (\w+) is violated", text):
         return f"invariant:{m.group(1)}"
+    if m := re.search(r"Action property (\w+) is violated", text):
+        return f"action:{m.group(1)}"
     if "Deadlock reached" in text:
         return "deadlock"
     if "Error:" in text or "Exception" in text:

@@ -12,10 +12,11 @@ from __future__ import annotations
 from bisect import insort
 from collections.abc import Sequence
 from itertools import accumulate
+from typing import Any
 
 from odb_core.epoch import ClaimRule, EpochDriver
 from odb_core.packing import size_of
-from odb_core.protocol import RankProtocol, Step
+from odb_core.protocol import Plan, RankProtocol, Step
 from odb_core.tail import in_reserve
 from odb_core.wire import Header, Status
 
@@ -82,6 +83,78 @@ class PackOverfillProtocol(RankProtocol):
             if room - size > 0:
                 insort(open_, (room - size, number))
         return [list(reversed(g)) for g in reversed(groups)]
+
+
+class _RepeatsProtocol(RankProtocol):
+    """Lets a seeded bug emit a position twice: a round's emitted groups leave the buffer at the
+    round's end (their lengths and tokens are read first), a position already gone is recorded
+    as emitted again."""
+
+    _leaving: tuple[list[int], ...] = ()
+
+    def _remove(self, group: list[int]) -> None:
+        self._leaving = (*self._leaving, group)
+
+    def _end_round(self) -> None:
+        gone: set[int] = set()
+        for group in self._leaving:
+            fresh = [p for p in dict.fromkeys(group) if p in self._length and p not in gone]
+            gone.update(group)
+            super()._remove(fresh)
+            again = list(group)
+            for p in fresh:
+                again.remove(p)
+            self._emitted.extend(again)
+        self._leaving = ()
+        super()._end_round()
+
+
+class SplitDupProtocol(_RepeatsProtocol):
+    """M9: a split leaves the split-off sample in its group as well: that view is emitted twice in
+    one round (breaks P4, exactly once). Spec twin: ``AlignOp <- MutAlignDup``."""
+
+    def _align(self, groups: list[list[int]], target: int) -> tuple[list[list[int]], list[list[int]]]:
+        if len(groups) >= target:
+            return super()._align(groups, target)
+        out = [list(g) for g in groups]
+        while len(out) < target:
+            big = [i for i, g in enumerate(out) if len(g) >= 2]
+            if not big:
+                break
+            out.insert(big[-1] + 1, [out[big[-1]][-1]])
+        return out, []
+
+
+class ReemitProtocol(_RepeatsProtocol):
+    """M10: the last item of a round of two or more is this rank's first non-idle item of the
+    previous round again; the group it displaces stays in the buffer. Views emitted before are
+    emitted again (breaks P4, exactly once). Spec twin: ``AlignOp <- MutAlignReemit``."""
+
+    _previous: tuple[tuple[int, int, int, int, int], ...] = ()  # (position, length, tokens, arrival, round)
+
+    def on_headers(self, gathered: Any) -> Plan:
+        plan = super().on_headers(gathered)
+        if plan.target == 0:  # a round without items (spec: lastOut' idle)
+            self._previous = ()
+        return plan
+
+    def on_steps(self, gathered: Any) -> list[Step]:
+        real = [g for g in self._pending if g]
+        saved = tuple((p, self._length[p], self._tokens[p], self._arrival[p], self._arrival_round[p])
+                      for p in (real[0] if real else ()))
+        steps = super().on_steps(gathered)
+        self._previous = saved
+        return steps
+
+    def _align(self, groups: list[list[int]], target: int) -> tuple[list[list[int]], list[list[int]]]:
+        emitted, back = super()._align(groups, target)
+        if not self._previous or target < 2:
+            return emitted, back
+        for p, length, tokens, arrival, arrival_round in self._previous:  # in the buffer's books again
+            self._length[p], self._tokens[p], self._arrival[p], self._arrival_round[p] = (
+                length, tokens, arrival, arrival_round)
+            self._buffer_tokens += tokens
+        return [*emitted[:-1], [p for p, *_ in self._previous]], [*back, emitted[-1]]
 
 
 class NoChainDriver(EpochDriver):
@@ -204,6 +277,8 @@ DropOverflowDriver = _with("DropOverflowDriver", DropOverflowProtocol)
 EarlyFinishDriver = _with("EarlyFinishDriver", EarlyFinishProtocol)
 MergeOverflowDriver = _with("MergeOverflowDriver", MergeOverflowProtocol)
 PackOverfillDriver = _with("PackOverfillDriver", PackOverfillProtocol)
+SplitDupDriver = _with("SplitDupDriver", SplitDupProtocol)
+ReemitDriver = _with("ReemitDriver", ReemitProtocol)
 
 #: the core mutants, each the twin of spec/cfg/mutant_<name>.cfg
 MUTANTS: dict[str, type[EpochDriver]] = {
@@ -215,6 +290,8 @@ MUTANTS: dict[str, type[EpochDriver]] = {
     "no-chain": NoChainDriver,
     "pack-overfill": PackOverfillDriver,
     "fill-no-fallback": FillNoFallbackDriver,
+    "split-dup": SplitDupDriver,
+    "reemit": ReemitDriver,
 }
 #: the mutants that only change the packed budget's behaviour (their hunts and traces draw it)
 PACKED_MUTANTS = ("pack-overfill", "fill-no-fallback")

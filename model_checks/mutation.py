@@ -36,6 +36,8 @@ BREAKS = {
     "no-chain": "P5",
     "pack-overfill": "P3",
     "fill-no-fallback": "P6",
+    "split-dup": "P2",  # the twin is caught at the wire: a step vector emits more samples than its header holds
+    "reemit": "P4",
     "double-deal": "P4",
     "drop-last-claim": "P4",
     "local-quota": "P2",
@@ -50,6 +52,8 @@ SEARCH = {
     "no-chain": (("non-join",), False),
     "pack-overfill": (("join", "non-join"), False),
     "fill-no-fallback": (("join",), False),
+    "split-dup": (("join",), False),
+    "reemit": (("join",), False),
     "double-deal": (("join",), False),
     "drop-last-claim": (("join",), False),
     "local-quota": (("non-join",), False),

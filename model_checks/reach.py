@@ -34,7 +34,7 @@ from model_checks.generated import (
     parallel,
     run_tlc,
 )
-from model_checks.tla import ODB_INVARIANTS
+from model_checks.tla import ODB_ACTION_PROPERTIES, ODB_INVARIANTS
 from odb_core.config import TARGET_POLICIES
 
 #: the monitor's counters (spec/Reach.tla CovKeys), summed over behaviours
@@ -161,6 +161,7 @@ def simulate(m: Model, behaviours: int, seed: int = 1, substitute: Iterable[str]
     cfg += "    Orders <- " + ("InOrder" if m.join else "RandomOrder") + "\n"
     cfg += "".join(f"    {s}\n" for s in substitute)
     cfg += "INIT SimInit\nNEXT SimNext\nINVARIANTS " + " ".join((*invariants, "ReachedDone")) + "\n"
+    cfg += "PROPERTIES " + " ".join(ODB_ACTION_PROPERTIES) + "\n"  # checked on every simulated step
     # done states have no successor in SimNext (no stuttering to the depth), hence -deadlock;
     # a behaviour that stops short of done prints no ODB-REACH line and is counted missing
     text, seconds = run_tlc("ReachModel", cfg, {"ReachModel.tla": module},

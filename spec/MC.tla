@@ -1,12 +1,12 @@
 --------------------------------- MODULE MC ---------------------------------
 (***************************************************************************)
 (* Model values for the configurations in spec/cfg/, and the seeded bugs   *)
-(* (mutants) a .cfg substitutes for ODB's operators. M1-M7 and F1 have a   *)
-(* twin in model_checks/mutants.py and must be caught by TLC and by the    *)
-(* hypothesis suite; M8's twin is tests/test_stream_properties.py's; F2    *)
-(* and F3 have none (the reach simulation and the pooled inductiveness    *)
-(* check catch them; the hunts catch the core's own pool bugs,            *)
-(* double-deal and drop-last-claim).                                       *)
+(* (mutants) a .cfg substitutes for ODB's operators. M1-M7, M9, M10 and   *)
+(* F1 have a twin in model_checks/mutants.py and must be caught by TLC    *)
+(* and by the hypothesis suite; M8's twin is                               *)
+(* tests/test_stream_properties.py's; F2 and F3 have none (the reach      *)
+(* simulation and the pooled inductiveness check catch them; the hunts    *)
+(* catch the core's own pool bugs, double-deal and drop-last-claim).      *)
 (***************************************************************************)
 EXTENDS ODB
 
@@ -83,6 +83,24 @@ MutFitsOverfill(loads, s) == {i \in DOMAIN loads : loads[i] < Budget}
 \* M8: a stream's end mapped one position early (odb_core: EndsOneEarlyDriver): the fetch that
 \* reveals the end leaves the stream's last view out of Q, so it is never emitted.
 MutStreamEndEarly(r, last) == next[r]..(IF last > NV[r] THEN NV[r] - 1 ELSE last)
+\* M9: a split leaves the split-off sample in its group as well (odb_core twin: SplitDupDriver),
+\* so that view is emitted twice in one round (breaks NoDupInRound; NoLeak and JoinCoverage hold).
+RECURSIVE DupSplitTo(_, _)
+DupSplitTo(gs, T) ==
+    IF Len(gs) >= T THEN gs
+    ELSE LET big == {i \in 1..Len(gs) : Len(gs[i]) >= 2}
+         IN IF big = {} THEN gs
+            ELSE LET i == Max(big)
+                 IN DupSplitTo(SubSeq(gs, 1, i) \o <<<<gs[i][Len(gs[i])]>>>> \o SubSeq(gs, i + 1, Len(gs)), T)
+MutAlignDup(r, gs, T) == IF Len(gs) < T THEN DupSplitTo(gs, T) ELSE Align(r, gs, T)
+\* M10: the last item of a round of two or more is the rank's first non-idle item of the
+\* previous round again (odb_core twin: ReemitDriver); the group it displaces stays in B. Views
+\* emitted before are emitted again, from E rather than B (breaks EmitFromBuffer; every
+\* invariant holds: E' = E \cup em absorbs them).
+MutAlignReemit(r, gs, T) ==
+    LET al == Align(r, gs, T)
+        real == {i \in DOMAIN lastOut[r] : Len(lastOut[r][i]) > 0}
+    IN IF real # {} /\ T >= 2 THEN [al EXCEPT ![T] = lastOut[r][Min(real)]] ELSE al
 \* F1: the packed budget's reserve deals its view only to a rank with room: once no rank with
 \* nothing pending has a part-full group, the pool is never claimed again (breaks Termination).
 MutFillNoFallback(rm) ==

@@ -536,6 +536,18 @@ BRuleAdmissible == \A r \in Ranks : Status(r) = "ready" => Admissible(r, Packing
 \* P4 Join coverage: at termination every view was emitted.
 JoinCoverage == (JoinMode /\ done) => pc = Len(Pool) /\ \A r \in Ranks : E[r] = Views(r)
 
+\* The views of rank r's items of the last round.
+RoundViews(out) == UNION {Range(g) : g \in Range(out)}
+
+\* P4 exactly once, within a round: no view in two items of a round, nor twice in one item
+\* (E' = E \cup em absorbs a repeat: NoLeak and JoinCoverage compare sets).
+NoDupInRound == \A r \in Ranks :
+    SumSeq([i \in DOMAIN lastOut[r] |-> Len(lastOut[r][i])]) = Cardinality(RoundViews(lastOut[r]))
+
+\* P4 exactly once, across rounds (an action property): a round emits buffered views only, so
+\* none emitted before (NoLeak: B and E are disjoint) and none not yet fetched.
+EmitFromBuffer == [][\A r \in Ranks : rounds' # rounds => RoundViews(lastOut'[r]) \subseteq Range(B[r])]_vars
+
 \* The shared tail: the claimed pool indices are 1..pc, each claimed by one rank once.
 PoolOnce == /\ SumSeq([r \in Ranks |-> Len(claimed[r])]) = pc
             /\ UNION {Range(claimed[r]) : r \in Ranks} = 1..pc

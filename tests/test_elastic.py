@@ -300,12 +300,13 @@ ELASTIC_CFGS = sorted(p for p in (Path(__file__).resolve().parents[1] / "spec" /
 @pytest.mark.parametrize("path", ELASTIC_CFGS, ids=lambda p: p.stem)
 def test_tlc_resume_from_a_consumed_set_passes_every_invariant_and_its_mutant_is_caught(path: Path) -> None:
     """quick_*: every ODB invariant, Termination and ResumeExactlyOnce hold from the resumed state;
-    mutant_*: a resume that forgets a buffered view fails ResumeExactlyOnce."""
+    mutant_*: a resume that forgets a buffered view, or deals one position twice to a rank (caught in
+    the initial state: the deal is fixed there), fails ResumeExactlyOnce."""
     from model_checks.suites import expectation
     from model_checks.tla import tlc
 
     run = tlc("Elastic", path, short=not path.stem.startswith("deep_"))
-    assert run.distinct_states > 0, run.output[-2000:]
+    assert run.distinct_states > 0 or "deals_twice" in path.stem, run.output[-2000:]
     assert run.outcome == expectation(path), run.output[-3000:]
 
 
