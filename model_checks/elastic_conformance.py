@@ -1,16 +1,17 @@
-"""Conformance between odb_core.elastic and spec/Elastic.tla: the deal, checked by TLC.
+"""Conformance between odb_core.elastic and spec/Elastic.tla: the merge and the deal, checked by TLC.
 
 Elastic.tla runs ODB unchanged from the initial state its ``DealOp`` builds: rank r of W'
 holds ``Unyielded[r], Unyielded[r + W'], ...`` of the global positions the run before
 the resume did not yield. ODB.tla itself is linked to the core by ``conformance.py``
 (state-space equality on small scenarios, trace replay of random ones); what links Elastic.tla
-is that its deal is :func:`odb_core.elastic.assign_views` over the
+is that its deal, from the consumed set its ``YieldedOf`` maps every rank's yielded sampler
+positions to, is :func:`odb_core.elastic.assign_views` over the
 :class:`~odb_core.elastic.GlobalState` that :func:`~odb_core.elastic.merge_states`
-returns. This module draws random cases (an epoch's global order of lengths, W
-ranks' state_dict-shaped states with random consumed sets, W'), merges the states with the core, deals the
-rest with the core, and has TLC evaluate ``DealOp`` of every case through a parameterised
-``INSTANCE Elastic``: one TLC run, whose ASSUME prints the cases where the spec's deal
-differs from each implementation's (the core's and seeded wrong ones).
+returns from the same states. This module draws random cases (an epoch's global order of
+lengths, W ranks' state_dict-shaped states with random consumed sets, W'), merges and deals
+with the core, and has TLC merge and deal through a parameterised ``INSTANCE Elastic``: one
+TLC run, whose ASSUME prints the cases where the spec's deal differs from each
+implementation's (the core's and seeded wrong ones, of the merge or of the deal).
 """
 
 from __future__ import annotations
@@ -20,27 +21,38 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from model_checks.tla import SPEC_DIR, TlcRun, mismatches
-from odb_core.elastic import GlobalState, assign_views, merge_states
+from odb_core.elastic import assign_views, merge_states
 
-Deal = Callable[[GlobalState, int, int], list[int]]
+States = list[dict[str, Any]]
+Deal = Callable[[States, int, int], list[int]]
 
 
-def _forget_buffered(state: GlobalState, world: int, rank: int) -> list[int]:
+def _core(states: States, world: int, rank: int) -> list[int]:
+    return assign_views(merge_states(states), world, rank)
+
+
+def _forget_buffered(states: States, world: int, rank: int) -> list[int]:
     """Seeded bug (Elastic.tla's MutDealForget): the first remaining view counted as consumed."""
-    return state.remaining()[1:][rank::world]
+    return merge_states(states).remaining()[1:][rank::world]
 
 
-def _blocks(state: GlobalState, world: int, rank: int) -> list[int]:
+def _blocks(states: States, world: int, rank: int) -> list[int]:
     """Seeded bug: contiguous blocks instead of the round-robin deal (exactly once too, but not the spec's)."""
-    rest = state.remaining()
+    rest = merge_states(states).remaining()
     return rest[rank * len(rest) // world:(rank + 1) * len(rest) // world]
 
 
-IMPLEMENTATIONS: dict[str, Deal] = {"core": assign_views, "forget_buffered": _forget_buffered, "blocks": _blocks}
+def _merge_forgets_last_rank(states: States, world: int, rank: int) -> list[int]:
+    """Seeded bug of the merge: the last rank's yielded views are not counted (dealt and trained again)."""
+    return assign_views(merge_states([*states[:-1], {**states[-1], "consumed": []}]), world, rank)
 
 
-def random_case(rng: random.Random) -> tuple[list[int], GlobalState, int]:
-    """(lengths of the global order, the core's merge of W ranks' states of one step boundary, W')."""
+IMPLEMENTATIONS: dict[str, Deal] = {"core": _core, "forget_buffered": _forget_buffered, "blocks": _blocks,
+                                    "merge_forgets_last_rank": _merge_forgets_last_rank}
+
+
+def random_case(rng: random.Random) -> tuple[list[int], States, int]:
+    """(lengths of the global order, W ranks' states of one step boundary, W')."""
     world, per_rank = rng.randint(1, 4), rng.randint(1, 4)
     total = world * per_rank
     states = []
@@ -48,7 +60,7 @@ def random_case(rng: random.Random) -> tuple[list[int], GlobalState, int]:
         consumed = sorted(rng.sample(range(per_rank), rng.randint(0, per_rank)))
         states.append({"rank": rank, "world_size": world, "epoch": 1, "steps": 3, "seed": 0, "total": total,
                        "order_world": world, "consumed": consumed})
-    return [rng.randint(1, 12) for _ in range(total)], merge_states(states), rng.randint(1, 4)
+    return [rng.randint(1, 12) for _ in range(total)], states, rng.randint(1, 4)
 
 
 def tla_value(value: Any) -> str:
@@ -60,16 +72,20 @@ def tla_value(value: Any) -> str:
     return str(value)
 
 
-def conformance_module(cases: Sequence[tuple[list[int], GlobalState, int]], impls: dict[str, Deal]) -> str:
-    """The TLA+ module: every case's spec deal against each implementation's (1-based positions)."""
+def conformance_module(cases: Sequence[tuple[list[int], States, int]], impls: dict[str, Deal]) -> str:
+    """The TLA+ module: every case's spec merge and deal against each implementation's (1-based
+    positions). The spec merges the raw states itself (``YieldedOf``), so a wrong merge differs too."""
     rows = []
-    for lengths, state, world in cases:
-        deals = {name: [[g + 1 for g in deal(state, world, r)] for r in range(world)] for name, deal in impls.items()}
+    for lengths, states, world in cases:
+        deals = {name: [[g + 1 for g in deal(states, world, r)] for r in range(world)] for name, deal in impls.items()}
         fields = ", ".join(f"{name} |-> {tla_value(d)}" for name, d in deals.items())
-        rows.append(f"[g |-> {tla_value(lengths)}, c |-> {tla_value({g + 1 for g in state.consumed})}, w |-> {world}, {fields}]")
+        yielded = [{p + 1 for p in s["consumed"]} for s in sorted(states, key=lambda s: s["rank"])]
+        rows.append(f"[g |-> {tla_value(lengths)}, y |-> {tla_value(yielded)}, ow |-> {len(states)}, w |-> {world}, "
+                    f"{fields}]")
     checks = "\n".join(
         f'ASSUME PrintT(<<"mismatch", "{name}", {{k \\in 1..Len(Cases) : '
-        f"[r \\in 1..Cases[k].w |-> ElasticAt(Cases[k].g, Cases[k].c, Cases[k].w)!DealOp(r)] # Cases[k].{name}}}>>)"
+        f"[r \\in 1..Cases[k].w |-> ElasticAt(Cases[k].g, YieldedOf(Cases[k].y, Cases[k].ow), Cases[k].w)!DealOp(r)]"
+        f" # Cases[k].{name}}}>>)"
         for name in impls)
     return ("---- MODULE ElasticConformance ----\nEXTENDS Elastic, TLC\n"
             "ElasticAt(g, c, w) == INSTANCE Elastic WITH GLen <- g, Consumed <- c, W <- w\n"

@@ -38,6 +38,11 @@ ResumeExactlyOnce ==
     /\ \A r \in Ranks : Range(DealOp(r)) \cap Consumed = {}
     /\ done => Consumed \cup UNION {{DealOp(r)[p] : p \in E[r]} : r \in Ranks} = 1..Len(GLen)
 
+\* The global positions a run on OW ranks yielded, from each rank's yielded sampler positions
+\* cons[r] (rank r's p-th view, both 1-based, is global position r + (p - 1) * OW: the
+\* DistributedSampler order): what merge_states computes from every rank's state_dict.
+YieldedOf(cons, OW) == UNION {{r + (p - 1) * OW : p \in cons[r]} : r \in DOMAIN cons}
+
 \* Model values: an epoch of 3 ranks x 3 views (8 samples; position 9 pads with position 1's
 \* sample) resumed on 2 ranks; an epoch of 2 ranks x 4 views resumed on 3 ranks.
 GLen_3x3 == <<2, 3, 6, 9, 1, 5, 12, 4, 2>>
