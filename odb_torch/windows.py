@@ -290,24 +290,62 @@ def load_windows_state(windows: AccumulationWindows, folder: str) -> None:
     naming the file when it is missing or malformed; a state that does not fit this run raises
     the loader's typed error (:class:`~odb_core.errors.ResumeStateError`, a CheckpointStateError,
     naming the field; :class:`~odb_core.errors.UnsupportedSettingError`), noted with the file.
+    Call it on every rank: when ``torch.distributed`` is initialised, the ranks agree on the
+    outcome (:func:`agree_on_loading`), so a rank whose peer failed raises at once rather than
+    waiting for that peer at the loader's rendezvous until its timeout.
     """
+    error: BaseException | None = None
+    try:
+        _load_rank_state(windows, folder)
+    except Exception as exc:  # every rank must reach the agreement, whatever failed
+        error = exc
+    agree_on_loading(error, windows.loader.rank, folder)
+
+
+def _load_rank_state(windows: AccumulationWindows, folder: str) -> None:
     rank, world = windows.loader.rank, windows.loader.world_size
     found = {int(m.group(1)): p for p in glob.glob(os.path.join(glob.escape(folder), "odb_state_rank*.json"))
              if (m := re.search(r"odb_state_rank(\d+)\.json$", p))}
     states = {r: _read(p) for r, p in sorted(found.items())}
     path = state_file(folder, rank)
+    if rank not in states and any(_world_of(s) == world for s in states.values()):  # this world's, one lost
+        missing = sorted(set(range(world)) - set(states))
+        raise CheckpointStateError(f"rank {rank}: {path} is missing: checkpoint {folder} holds this world size's "
+                                   f"ODB states but none for ranks {missing}", rank=rank)
     worlds = {_world_of(s) for s in states.values()} - {None, world}
     if worlds or (states and rank not in states and len(states) != world):
         with loading_state(f"{folder} (resuming {len(states)} ranks' states on {world})", rank):
             load_windows_states(windows, list(states.values()))
         return
     if rank not in states:
-        raise CheckpointStateError(f"{path} is missing: checkpoint {folder} holds no ODB state for rank {rank}")
+        raise CheckpointStateError(f"rank {rank}: {path} is missing: checkpoint {folder} holds no ODB state for "
+                                   f"rank {rank}", rank=rank)
     state = states[rank]
     with loading_state(path, rank):
         windows.load_state_dict(state)
         if state.get("loader") is not None:
             windows.loader.load_state_dict(state["loader"])  # validates rank, world size and seed
+
+
+def agree_on_loading(error: BaseException | None, rank: int, where: str) -> None:
+    """Raise ``error`` if this rank failed to load its state, or :class:`CheckpointStateError`
+    naming the ranks that did, when ``torch.distributed`` is initialised with more than one rank
+    (every rank must call this: one ``all_gather_object`` of the outcomes over the default group);
+    without a process group, just ``error``. Nothing starts on a rank whose peers cannot resume."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        if error is not None:
+            raise error
+        return
+    outcomes: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [r for r, outcome in enumerate(outcomes) if outcome is not None]
+    if failed:
+        raise CheckpointStateError(f"rank {rank}: ranks {failed} could not load ODB's state from {where} (rank "
+                                   f"{failed[0]}: {outcomes[failed[0]]}); this rank stops too", rank=rank)
 
 
 @contextmanager

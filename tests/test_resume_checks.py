@@ -148,3 +148,47 @@ def test_an_elastic_share_is_served_once_a_later_pass_of_the_epoch_is_whole():
         assert len(served[0]) == 20 and served[1] == sorted(order)
     finally:
         loader.close()
+
+
+def _resume_rank(rank: int, port: int, folder: str, out: str) -> None:
+    """One rank of a W=2 group loading its window state from ``folder``; writes its outcome."""
+    import time
+
+    import torch.distributed as dist
+    from torch_support import init_gloo
+
+    init_gloo(rank, 2, port)
+    started, outcome = time.monotonic(), "loaded"
+    try:
+        load_windows_state(AccumulationWindows(_loader(world=2, rank=rank, timeout=60), 1), folder)
+    except CheckpointStateError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"outcome": outcome, "seconds": time.monotonic() - started}))
+    dist.destroy_process_group()
+
+
+def test_a_rank_whose_peer_cannot_load_its_state_stops_at_once(tmp_path):
+    """A W=2 checkpoint that lost rank 1's file: rank 1 fails (the file is named), and rank 0, whose
+    own file loads, raises too, naming rank 1, in seconds; it used to accept its state and then wait
+    for rank 1 at the collate group's rendezvous until the timeout (300 s by default)."""
+    import multiprocessing
+
+    from odb_torch.ports import free_port
+
+    (tmp_path / "ckpt").mkdir()
+    folder = _checkpoint(tmp_path / "ckpt", [_own(rank=0)])
+    port, ctx = free_port(), multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_resume_rank, args=(r, port, folder, str(tmp_path))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+        p.join()
+    assert not alive and all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert "odb_state_rank1.json is missing" in results[1]["outcome"]
+    assert results[0]["outcome"].startswith("CheckpointStateError") and "ranks [1]" in results[0]["outcome"]
+    assert max(r["seconds"] for r in results) < 30
