@@ -11,10 +11,11 @@ What changes against a stock ``Trainer``:
   gradient-accumulation windows (:class:`~odb_torch.windows.AccumulationWindows`);
 * the loss is the exact per-token mean over every token of a window on every rank (P7):
   each micro-batch's summed token loss times ``W / window_tokens``;
-* epochs end when the data does; ``num_train_epochs`` counts real epochs, the progress bar
-  counts samples, the LR schedule follows samples seen (``warmup_steps`` < 1 is a
-  fraction of all samples), ``train_samples_per_second`` counts real samples (HF's multiplies a
-  fixed batch size), logs carry ``odb_samples_seen`` and ``odb_tokens_seen``;
+* epochs end when the data does; ``num_train_epochs`` counts real epochs (whole ones by epochs
+  completed, at any world size; every rank stops on the same update), the progress bar counts
+  samples, the LR schedule follows samples seen (``warmup_steps`` < 1 is a fraction of all
+  samples), ``train_samples_per_second`` counts real samples (HF's multiplies a fixed batch
+  size), logs carry ``odb_samples_seen`` and ``odb_tokens_seen``;
 * checkpoints hold each rank's loader position (``odb_state_rank{r}.json``); resuming
   from one emits nothing twice and loses nothing (P4).
 """
@@ -31,11 +32,13 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import Trainer, TrainerCallback, get_scheduler
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from odb_core.errors import UnsupportedSettingError
 from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import causal_lm_loss_sum, check_loss_tokens, logits_of, shifted_loss_tokens
 from odb_torch.padding_free import VARLEN_KEYS, adapter_defaults, budget_of, check_packed_attention
@@ -49,15 +52,19 @@ LossSumFn = Callable[[torch.nn.Module, dict[str, Any]], tuple[torch.Tensor, int]
 
 
 class _Batches:
-    """What ``Trainer`` iterates: the windows' batches as dicts carrying their :class:`MicroBatch`."""
+    """What ``Trainer`` iterates: the windows' batches as dicts carrying their :class:`MicroBatch`;
+    nothing once ``finished()`` (a run resumed at its end trains nothing, as a stock Trainer)."""
 
-    def __init__(self, windows: AccumulationWindows) -> None:
+    def __init__(self, windows: AccumulationWindows, finished: Callable[[], bool]) -> None:
         self.windows = windows
+        self.finished = finished
 
     def set_epoch(self, epoch: int) -> None:
         self.windows.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self.finished():
+            return
         for mb in self.windows:
             if not isinstance(mb.batch, Mapping):
                 raise TypeError(f"ODBTrainer needs the data collator to return a dict of tensors, got "
@@ -66,21 +73,38 @@ class _Batches:
 
 
 class _ODBControl(TrainerCallback):
-    """Ends epochs when the data does and training after ``num_train_epochs``; saves the loader state."""
+    """Ends epochs when the data does and training after ``num_train_epochs`` (with the final
+    save and evaluation HF's ``DefaultFlowCallback`` makes at ``max_steps``); saves the loader state."""
 
     def __init__(self, trainer: ODBTrainer) -> None:
         self.trainer = trainer
+        self.idle_epoch = False  # the run was already at its end when this epoch began
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.idle_epoch = self.trainer.odb_windows is not None and self.trainer.odb_finished()
+        if self.idle_epoch:
+            control.should_training_stop = True
+        return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         w = self.trainer.odb_windows
         if w is None:
             return control
-        state.epoch = w.epochs_completed + w.samples_in_epoch / max(w.samples_per_epoch(), 1)
+        state.epoch = self.trainer.odb_progress() / max(self.trainer.odb_epoch_samples, 1)
         if w.at_epoch_end:
             control.should_epoch_stop = True
-        if w.samples_seen >= self.trainer.odb_total_samples:
+        if self.trainer.odb_finished():
             control.should_training_stop = True
             control.should_epoch_stop = True
+            if args.save_strategy == "steps":
+                control.should_save = True
+            if args.eval_strategy == "steps" and args.eval_delay <= state.global_step:
+                control.should_evaluate = True
+        return control
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.idle_epoch:  # nothing trained: no log, checkpoint or evaluation (a stock Trainer runs no epoch)
+            control.should_log = control.should_save = control.should_evaluate = False
         return control
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -88,6 +112,7 @@ class _ODBControl(TrainerCallback):
         if w is None:
             return control
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        os.makedirs(folder, exist_ok=True)  # only the writer rank creates it under save_only_model
         save_windows_state(w, folder)
         return control
 
@@ -103,15 +128,13 @@ class _SampleProgress(TrainerCallback):
         if state.is_world_process_zero:
             from tqdm.auto import tqdm
 
-            w = self.trainer.odb_windows
-            self.bar = tqdm(total=self.trainer.odb_total_samples, initial=w.samples_seen if w else 0,
+            self.bar = tqdm(total=self.trainer.odb_total_samples, initial=self.trainer.odb_progress(),
                             unit="samples", dynamic_ncols=True)
         return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        w = self.trainer.odb_windows
-        if self.bar is not None and w is not None:
-            self.bar.update(w.samples_seen - self.bar.n)
+        if self.bar is not None:
+            self.bar.update(self.trainer.odb_progress() - self.bar.n)
         return control
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> Any:
@@ -132,16 +155,95 @@ def causal_lm_loss(model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[torc
     return causal_lm_loss_sum(logits_of(model(**model_inputs)), inputs["labels"])
 
 
+def _named_parameters(forward: Callable[..., Any]) -> tuple[set[str], bool]:
+    """The parameter names of ``forward`` (``*args``/``**kwargs`` aside) and whether it takes ``**kwargs``."""
+    params = inspect.signature(forward).parameters
+    named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return named, any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
 def forward_inputs(model: torch.nn.Module, inputs: Mapping[str, Any]) -> dict[str, Any]:
     """The batch fields ``model.forward`` names explicitly, plus ``labels`` (as HF's column pruning
-    keeps) and, when it takes ``**kwargs``, a packed row's varlen keywords (``cu_seq_lens_q``, ...)."""
-    params = inspect.signature(model.forward).parameters
-    named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    keeps). When it takes ``**kwargs`` (a wrapper such as PEFT's), also what the wrapped model's
+    forward names (``get_base_model()``, as HF's pruning inspects), ``position_ids`` and a packed
+    row's varlen keywords (``cu_seq_lens_q``, ...): without them packed sequences attend to each other."""
+    named, var_keyword = _named_parameters(model.forward)
     if not named:
         return dict(inputs)
-    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        named.update(VARLEN_KEYS)
+    if var_keyword:
+        named.update(VARLEN_KEYS, ("position_ids",))
+        base = getattr(model, "get_base_model", None)
+        if callable(base) and callable(getattr(base(), "forward", None)):
+            named.update(_named_parameters(base().forward)[0])
     return {k: v for k, v in inputs.items() if k in named or k == "labels"}
+
+
+def loss_setting_problems(args: Any, kwargs: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(field, why)`` for each loss setting ODB's summed, window-exact loss cannot honour:
+    ``label_smoothing_factor > 0`` and a ``compute_loss_func`` (per-batch means)."""
+    problems = []
+    if getattr(args, "label_smoothing_factor", 0.0) > 0:
+        problems.append(("label_smoothing_factor", "label smoothing is a per-batch mean ODB's summed loss does "
+                                                   "not compute: set it to 0 (a smoothed loss: loss_sum_fn=)"))
+    if kwargs.get("compute_loss_func") is not None:
+        problems.append(("compute_loss_func", "ODB needs a summed loss and its token count: give "
+                                              "loss_sum_fn=(model, inputs) -> (sum, count) instead"))
+    return problems
+
+
+#: step-counted intervals and the strategy that uses each
+STEP_INTERVALS = (("logging_steps", "logging_strategy"), ("save_steps", "save_strategy"),
+                  ("eval_steps", "eval_strategy"))
+
+
+def step_fraction_problems(args: Any) -> list[tuple[str, str]]:
+    """``(field, why)`` for each interval given as a fraction (< 1) of the run under a ``"steps"``
+    strategy: Trainer multiplies it by ``max_steps``, which ODB cannot know (its step sizes vary)."""
+    problems = []
+    for field, strategy in STEP_INTERVALS:
+        value = getattr(args, field, None)
+        if value is not None and 0 < value < 1 and getattr(args, strategy, None) == "steps":
+            problems.append((field, f"{field}={value} is a fraction of max_steps, which ODB's varying step sizes "
+                                    "leave unknown: give a whole number of updates"))
+    return problems
+
+
+def refuse(who: str, problems: list[tuple[str, str]]) -> None:
+    """Raise :class:`UnsupportedSettingError` naming every field of ``problems``, if any."""
+    if problems:
+        raise UnsupportedSettingError(f"{who} cannot honour: " + "; ".join(f"{f}: {why}" for f, why in problems),
+                                      fields=[f for f, _ in problems])
+
+
+def check_arguments(who: str, args: Any, warmup_samples: int | None, odb_kwargs: Mapping[str, Any],
+                    kwargs: Mapping[str, Any]) -> None:
+    """Refuse what ODBTrainer cannot run: ``ValueError`` for missing or step-counted arguments,
+    :class:`UnsupportedSettingError` naming the fields for settings it would silently drop."""
+    if args is None:
+        raise ValueError(f"{who} needs TrainingArguments (args=...)")
+    if args.max_steps > 0:
+        raise ValueError(f"{who} runs num_train_epochs of data; unset max_steps (got max_steps={args.max_steps})")
+    if warmup_samples is None and args.warmup_steps >= 1:
+        raise ValueError(f"{who} schedules by samples seen: give warmup as a fraction (warmup_steps < 1) or "
+                         f"warmup_samples=..., not warmup_steps={args.warmup_steps}")
+    if odb_kwargs.get("mode", "join") != "join" or odb_kwargs.get("skip_idle"):
+        raise ValueError(f"{who} needs join mode without skip_idle (resumable, aligned windows)")
+    if kwargs.get("train_dataset") is None:
+        raise ValueError(f"{who} needs a train_dataset (keyword)")
+    refuse(who, loss_setting_problems(args, kwargs) + step_fraction_problems(args))
+
+
+def global_epoch_samples(windows: AccumulationWindows, device: Any) -> int:
+    """Samples of one epoch over every rank, the same on every rank: join mode yields every view of
+    every rank once, so the sum of the ranks' sampler lengths (all-reduced: a custom sampler's
+    shares may differ in length), or the shared tail's count (:meth:`AccumulationWindows.samples_per_epoch`)."""
+    loader = windows.loader
+    if loader.config.shared_tail or loader.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return windows.samples_per_epoch()
+    on = "cpu" if "gloo" in str(dist.get_backend()) else device
+    total = torch.tensor([len(cast(Any, loader.sampler))], dtype=torch.int64, device=on)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return int(total.item())
 
 
 class ODBTrainer(Trainer):
@@ -168,28 +270,22 @@ class ODBTrainer(Trainer):
 
     ``args.max_steps`` must be unset (the run length is ``num_train_epochs`` of data);
     ``args.ignore_data_skip`` is forced on in a private copy of ``args`` (ODB resumes its
-    own position instead of replaying batches). Join mode only.
+    own position instead of replaying batches). Join mode only. Refused with
+    :class:`~odb_core.errors.UnsupportedSettingError` naming the fields: ``label_smoothing_factor``
+    > 0 and ``compute_loss_func`` (per-batch means, not ODB's summed loss) and a ``logging_steps``,
+    ``save_steps`` or ``eval_steps`` < 1 under a ``"steps"`` strategy (a fraction of an unknown
+    step count). Training ends after ``num_train_epochs`` on every rank alike, with a checkpoint
+    and an evaluation when their strategy is ``"steps"`` (HF's at ``max_steps``); resumed at its end
+    it trains nothing.
     """
 
     def __init__(self, model: Any = None, args: Any = None, *, token_budget: int,
                  odb_kwargs: dict[str, Any] | None = None, loss_sum_fn: LossSumFn | None = None,
                  warmup_samples: int | None = None, **kwargs: Any) -> None:
         training_args = args
-        if training_args is None:
-            raise ValueError("ODBTrainer needs TrainingArguments (args=...)")
-        if training_args.max_steps > 0:
-            raise ValueError("ODBTrainer runs num_train_epochs of data; unset max_steps "
-                             f"(got max_steps={training_args.max_steps})")
-        if warmup_samples is None and training_args.warmup_steps >= 1:
-            raise ValueError("ODBTrainer schedules by samples seen: give warmup as a fraction "
-                             "(warmup_steps < 1) or warmup_samples=..., not "
-                             f"warmup_steps={training_args.warmup_steps}")
         odb_kwargs = dict(odb_kwargs or {})
-        if odb_kwargs.get("mode", "join") != "join" or odb_kwargs.get("skip_idle"):
-            raise ValueError("ODBTrainer needs join mode without skip_idle (resumable, aligned windows)")
-        train_dataset = kwargs.get("train_dataset")
-        if train_dataset is None:
-            raise ValueError("ODBTrainer needs a train_dataset (keyword)")
+        check_arguments(type(self).__name__, training_args, warmup_samples, odb_kwargs, kwargs)
+        train_dataset = kwargs["train_dataset"]
         collator = kwargs.get("data_collator")
         self.odb_token_budget = token_budget
         self.odb_kwargs = odb_kwargs
@@ -203,14 +299,14 @@ class ODBTrainer(Trainer):
         self._odb_resume: str | None = None
         self._odb_run_start = (0, 0, 0.0)  # samples, updates, time at the start of train()
 
+        self.odb_epochs = float(training_args.num_train_epochs)
         world = max(training_args.world_size, 1)
-        per_rank = math.ceil(len(train_dataset) / world)
-        self.odb_total_samples = math.ceil(training_args.num_train_epochs * per_rank * world)
+        # estimates until get_train_dataloader knows the sampler's epoch over every rank
+        self.odb_epoch_samples: int = math.ceil(len(train_dataset) / world) * world
+        self.odb_total_samples = self._odb_plan()[2]
         run_args = copy.deepcopy(training_args)
         run_args.ignore_data_skip = True
-        # an upper bound on optimizer steps (every step trains >= 1 sample), so that Trainer's
-        # step-count stop never fires before the data ends; the callback stops training
-        run_args.max_steps = self.odb_total_samples + math.ceil(training_args.num_train_epochs) + 1
+        run_args.max_steps = self._odb_step_bound()
         super().__init__(model, run_args, **kwargs)
         if budget_of(odb_kwargs) == "packed" and model is not None:  # refused, or warned of its cost on a GPU
             check_packed_attention(model, self.args.device)
@@ -232,14 +328,48 @@ class ODBTrainer(Trainer):
                 kw["prefetch_factor"] = None
             loader = ODBDataLoader(cast(Any, self.train_dataset), token_budget=self.odb_token_budget, **kw)
             self.odb_windows = AccumulationWindows(loader, self.args.gradient_accumulation_steps)
-            # the sampler's real epoch size (a custom sampler may differ from the estimate at init)
-            self.odb_total_samples = math.ceil(self.args.num_train_epochs * self.odb_windows.samples_per_epoch())
+            # the sampler's real epoch size over every rank (a custom sampler may differ from the estimate)
+            self.odb_epoch_samples = global_epoch_samples(self.odb_windows, self.args.device)
+            self.odb_total_samples = self._odb_plan()[2]
+            self.args.max_steps = max(self.args.max_steps, self._odb_step_bound())  # read by Trainer after this
         if self._odb_resume is not None:
             load_windows_state(self.odb_windows, self._odb_resume)
             self._odb_resume = None
         w = self.odb_windows
         self._odb_run_start = (w.samples_seen, w.updates, time.time())
-        return _Batches(w)
+        return _Batches(w, self.odb_finished)
+
+    def _odb_plan(self) -> tuple[int, int, int]:
+        """``num_train_epochs`` as (whole epochs, samples of a fractional last epoch, total samples)."""
+        whole, fraction = divmod(self.odb_epochs, 1.0)
+        last = math.ceil(fraction * self.odb_epoch_samples)
+        return int(whole), last, int(whole) * self.odb_epoch_samples + last
+
+    def _odb_step_bound(self) -> int:
+        """An upper bound on optimizer steps (every step trains >= 1 sample; twice the samples, as a
+        resumed epoch may count another world size's padding), so that Trainer's step-count stop
+        never fires before the data ends; :class:`_ODBControl` stops training."""
+        return 2 * self.odb_total_samples + math.ceil(self.odb_epochs) + 1
+
+    def odb_finished(self) -> bool:
+        """Whether ``num_train_epochs`` are trained: whole epochs count by ``epochs_completed`` (every
+        view of every rank once each, at any world size: an elastic resume's epoch too), only a
+        fractional last epoch by its samples. Global counters: the same answer on every rank."""
+        w = self.odb_windows
+        if w is None:
+            return False
+        whole, last, _ = self._odb_plan()
+        if w.epochs_completed != whole:
+            return w.epochs_completed > whole
+        return last == 0 or w.samples_in_epoch >= last
+
+    def odb_progress(self) -> int:
+        """Samples of the run so far by epochs (what the LR schedule, ``state.epoch`` and the progress bar
+        follow): ``samples_seen`` except after an elastic resume, whose epoch counts another world's padding."""
+        w = self.odb_windows
+        if w is None:
+            return 0
+        return w.epochs_completed * self.odb_epoch_samples + min(w.samples_in_epoch, self.odb_epoch_samples)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; resuming also restores each rank's ODB loader position."""
@@ -298,8 +428,7 @@ class ODBTrainer(Trainer):
             if not isinstance(base, LambdaLR):
                 raise ValueError(f"lr_scheduler_type={self.args.lr_scheduler_type!r} is not a LambdaLR schedule; "
                                  "ODBTrainer follows samples seen with LambdaLR shapes (linear, cosine, constant...)")
-            self.lr_scheduler = cast(Any, ProgressLR(
-                opt, list(base.lr_lambdas), lambda: self.odb_windows.samples_seen if self.odb_windows else 0))
+            self.lr_scheduler = cast(Any, ProgressLR(opt, list(base.lr_lambdas), self.odb_progress))
             self._created_lr_scheduler = True
         return self.lr_scheduler
 

@@ -42,7 +42,7 @@ from trl import SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from odb_core.errors import UnsupportedSettingError
-from odb_torch.integrations.hf import LossSumFn, ODBTrainer
+from odb_torch.integrations.hf import LossSumFn, ODBTrainer, loss_setting_problems, refuse
 from odb_torch.padding_free import budget_of
 
 #: the prepared columns TRL's collator reads (TRL's own signature columns)
@@ -86,21 +86,14 @@ def refuse_unsupported(args: Any, kwargs: Mapping[str, Any]) -> None:
     if getattr(args, "padding_free", False):
         problems.append(("padding_free", "one concatenated row per batch is right only with a varlen attention "
                                          "kernel ODB cannot check: set padding_free=False"))
-    if getattr(args, "label_smoothing_factor", 0.0) > 0:
-        problems.append(("label_smoothing_factor", "label smoothing is a per-batch mean ODB's summed loss does "
-                                                   "not compute: set it to 0 or give loss_sum_fn="))
-    if kwargs.get("compute_loss_func") is not None:
-        problems.append(("compute_loss_func", "ODB needs a summed loss and its token count: give "
-                                              "loss_sum_fn=(model, inputs) -> (sum, count) instead"))
+    problems += loss_setting_problems(args, kwargs)
     dataset = kwargs.get("train_dataset")
     streaming = dataset is not None and not hasattr(dataset, "__len__")
     if isinstance(dataset, torch.utils.data.IterableDataset) or streaming:
         problems.append(("train_dataset", "an IterableDataset: ODBSFTTrainer takes map-style datasets (TRL "
                                           "tokenizes them with map); for a stream, use ODBDataLoader(stream, ...) "
                                           "in your own loop (README: Streaming)"))
-    if problems:
-        raise UnsupportedSettingError("ODBSFTTrainer cannot honour: " + "; ".join(f"{f}: {why}" for f, why in problems),
-                                      fields=[f for f, _ in problems])
+    refuse("ODBSFTTrainer", problems)
 
 
 class ODBSFTTrainer(ODBTrainer, SFTTrainer):  # type: ignore[misc]
@@ -110,9 +103,10 @@ class ODBSFTTrainer(ODBTrainer, SFTTrainer):  # type: ignore[misc]
     ``odb_kwargs``, ``loss_sum_fn``, ``warmup_samples``) plus ``SFTTrainer``'s
     (``processing_class``, ``formatting_func``, ``peft_config``, ...). Defaults differing
     from ``ODBTrainer``'s: ``loss_sum_fn`` is TRL's ``loss_type`` summed (:data:`LOSSES`),
-    ``collate_fn`` TRL's collator, ``length_fn`` the padded length under
-    ``pad_to_multiple_of``. Refused settings raise :class:`UnsupportedSettingError` before
-    the dataset is prepared (the mixture-of-experts and vision-data ones right after).
+    ``collate_fn`` TRL's collator (an explicit ``data_collator`` or ``odb_kwargs["collate_fn"]``
+    is kept), ``length_fn`` the padded length under ``pad_to_multiple_of``. Refused settings
+    raise :class:`UnsupportedSettingError` before the dataset is prepared (the
+    mixture-of-experts and vision-data ones right after).
     """
 
     def __init__(self, model: Any = None, args: Any = None, *, token_budget: int,
@@ -139,8 +133,8 @@ class ODBSFTTrainer(ODBTrainer, SFTTrainer):  # type: ignore[misc]
                                           "each sample before batching", field="train_dataset")
         if loss_sum_fn is None:
             self.odb_loss_sum_fn = LOSSES[sft_args.loss_type]
-        if kwargs.get("data_collator") is None:
-            self.odb_collate = self.data_collator
+        if kwargs.get("data_collator") is None and "collate_fn" not in (odb_kwargs or {}):
+            self.odb_collate = self.data_collator  # TRL's collator, unless the caller gave one
         multiple = sft_args.pad_to_multiple_of
         if isinstance(multiple, int) and multiple > 1:
             self.odb_kwargs.setdefault("length_fn", PaddedLength(multiple))
