@@ -3,6 +3,7 @@ Hugging Face's data collators included: ``tests/test_hf_collators.py``)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -10,8 +11,13 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import default_collate
 
+from odb_core.errors import InvalidSampleError
+
 #: fields padded to the batch's longest sample, and their fill values by default
 PADDED = ("input_ids", "labels", "attention_mask")
+
+#: padded fields whose integer rows become int64 (what embeddings and losses take, as in ``packed_collate``)
+TOKEN_KEYS = ("input_ids", "labels")
 
 
 def pad_collate(samples: Sequence[Mapping[str, Any]], pad_id: int = 0, label_pad_id: int = -100,
@@ -20,13 +26,17 @@ def pad_collate(samples: Sequence[Mapping[str, Any]], pad_id: int = 0, label_pad
     ``attention_mask`` (with 0) to the longest ``input_ids`` of the batch; every other
     field goes through torch's ``default_collate``.
 
-    Samples without an ``attention_mask`` get one, as Hugging Face models expect: int64,
-    1 over each sample's ``input_ids`` and 0 over its padding. ``attention_mask=False``
-    adds none (an ``attention_mask`` the samples carry is still padded). A padded field
-    longer than the batch's longest ``input_ids`` is a ValueError naming it and the sample, and
-    so are samples with different fields (a field only some samples have is never dropped).
+    Integer ``input_ids`` and ``labels`` come back int64 (any integer dtype, unsigned ones
+    included, as ``packed_collate`` and Hugging Face's collators return them); rows of other
+    dtypes take their promoted dtype. Samples without an ``attention_mask`` get one, as
+    Hugging Face models expect: int64, 1 over each sample's ``input_ids`` and 0 over its
+    padding. ``attention_mask=False`` adds none (an ``attention_mask`` the samples carry is
+    still padded). :class:`~odb_core.errors.InvalidSampleError` (a ValueError) names the field
+    and the sample when a ``labels`` or ``attention_mask`` row is longer than that sample's own
+    ``input_ids``, when samples have different fields (a field only some have is never
+    dropped), or when ``default_collate`` fails on a field.
     """
-    _check_fields(samples)
+    check_fields(samples, "pad_collate")
     lengths = [_length(s["input_ids"]) for s in samples]
     width = max(lengths)
     fills = {"input_ids": pad_id, "labels": label_pad_id, "attention_mask": 0}
@@ -34,23 +44,34 @@ def pad_collate(samples: Sequence[Mapping[str, Any]], pad_id: int = 0, label_pad
     for key in samples[0]:
         values = [s[key] for s in samples]
         if key in fills:
-            out[key] = _pad([_row(v) for v in values], width, fills[key], key)
+            out[key] = _pad([_row(v) for v in values], lengths, width, fills[key], key)
         else:
-            out[key] = default_collate(values)
+            out[key] = collate_field(values, key, "pad_collate")
     if attention_mask and "attention_mask" not in out:
         out["attention_mask"] = (torch.arange(width) < torch.tensor(lengths)[:, None]).to(torch.int64)
     return out
 
 
-def _check_fields(samples: Sequence[Mapping[str, Any]]) -> None:
-    """ValueError naming the field and the sample if the samples' fields differ."""
-    first = samples[0].keys()
+def check_fields(samples: Sequence[Mapping[str, Any]], who: str, exempt: frozenset[str] = frozenset()) -> None:
+    """:class:`~odb_core.errors.InvalidSampleError` naming the field and the sample if the
+    samples' fields other than ``exempt`` differ (``who``: the collate, for the message)."""
+    first = samples[0].keys() - exempt if exempt else samples[0].keys()
     for k, sample in enumerate(samples[1:], start=1):
-        if sample.keys() != first:
-            extra, missing = sorted(sample.keys() - first, key=repr), sorted(first - sample.keys(), key=repr)
+        keys = sample.keys() - exempt if exempt else sample.keys()
+        if keys != first:
+            extra, missing = sorted(keys - first, key=repr), sorted(first - keys, key=repr)
             parts = ([f"has {extra} that sample 0 lacks"] if extra else []) + ([f"lacks {missing}"] if missing else [])
-            raise ValueError(f"pad_collate: sample {k} in the batch {' and '.join(parts)}; every sample of a batch "
-                             "needs the same fields")
+            raise InvalidSampleError(f"{who}: sample {k} in the batch {' and '.join(parts)}; every sample of a batch "
+                                     "needs the same fields")
+
+
+def collate_field(values: list[Any], key: str, who: str) -> Any:
+    """``default_collate(values)``; its failure as an :class:`~odb_core.errors.InvalidSampleError` naming ``key``."""
+    try:
+        return default_collate(values)
+    except Exception as exc:
+        raise InvalidSampleError(f"{who}: field {key!r} cannot be collated ({type(exc).__name__}: {exc}); pad or "
+                                 "drop it in the dataset, or pass a collate_fn that handles it") from exc
 
 
 def _length(x: Any) -> int:
@@ -66,21 +87,40 @@ def _row(value: Any) -> torch.Tensor:
     return torch.as_tensor(value) if len(value) else torch.empty(0, dtype=torch.int64)
 
 
-def _pad(rows: list[torch.Tensor], width: int, fill: int, key: str) -> torch.Tensor:
-    """``rows`` right-padded with ``fill`` to ``width``, stacked (the dtype of the first non-empty
-    row, else the first row's); ValueError naming ``key`` and the sample if a row is longer than
-    ``width``."""
-    sizes = [_length(r) for r in rows]
-    dtype = next((r.dtype for r, n in zip(rows, sizes) if n), rows[0].dtype)
-    longest = max(range(len(rows)), key=sizes.__getitem__)
-    if sizes[longest] > width:
-        raise ValueError(f"pad_collate: {key!r} of sample {longest} in the batch has {sizes[longest]} "
-                         f"entries, more than its input_ids' longest ({width})")
-    if all(r.dim() == 1 and r.dtype == dtype for r in rows):
-        batch = pad_sequence(rows, batch_first=True, padding_value=fill)
-        return batch if batch.shape[1] == width else torch.nn.functional.pad(batch, (0, width - batch.shape[1]),
-                                                                            value=fill)
-    batch = torch.full((len(rows), width), fill, dtype=dtype)
-    for k, row in enumerate(rows):
-        batch[k, : len(row)] = row
-    return batch
+def _integral(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex)
+
+
+def _dtype(rows: list[torch.Tensor], sizes: list[int], key: str) -> torch.dtype:
+    """The batch dtype of ``rows``: int64 for integer token rows and for mixed integer widths (no
+    value wraps; unsigned dtypes do not promote), else the promoted dtype of the non-empty rows."""
+    dtypes = {r.dtype for r, n in zip(rows, sizes) if n} or {rows[0].dtype}
+    if all(map(_integral, dtypes)) and (key in TOKEN_KEYS or len(dtypes) > 1):
+        return torch.int64
+    return functools.reduce(torch.promote_types, dtypes)
+
+
+def _pad(rows: list[torch.Tensor], lengths: list[int], width: int, fill: int, key: str) -> torch.Tensor:
+    """``rows`` right-padded with ``fill`` to ``width``, stacked in :func:`_dtype`'s dtype;
+    :class:`~odb_core.errors.InvalidSampleError` naming ``key`` and the sample if a row is
+    longer than its sample's ``input_ids`` (``lengths``)."""
+    sizes = lengths if key == "input_ids" else [_length(r) for r in rows]
+    if sizes != lengths:
+        over = next((k for k, (n, m) in enumerate(zip(sizes, lengths)) if n > m), None)
+        if over is not None:
+            raise InvalidSampleError(f"pad_collate: {key!r} of sample {over} in the batch has {sizes[over]} entries, "
+                                     f"more than its own input_ids ({lengths[over]})")
+    first = rows[0].dtype
+    uniform = all(r.dim() == 1 and r.dtype == first for r in rows)
+    dtype = _dtype(rows[:1], [1], key) if uniform else _dtype(rows, sizes, key)
+    if not (uniform or all(r.dim() == 1 for r in rows)):  # rows of other shapes: copied one by one
+        batch = torch.full((len(rows), width), fill, dtype=dtype)
+        for k, row in enumerate(rows):
+            batch[k, : len(row)] = row
+        return batch
+    if not uniform:
+        rows = [r.to(dtype) for r in rows]
+    elif dtype != first:  # one cast for the batch, before padding (where a fill of -100 could wrap)
+        rows = list(torch.split(torch.cat(rows).to(dtype), sizes))
+    batch = pad_sequence(rows, batch_first=True, padding_value=fill)
+    return batch if batch.shape[1] == width else torch.nn.functional.pad(batch, (0, width - batch.shape[1]), value=fill)

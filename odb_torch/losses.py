@@ -40,7 +40,10 @@ def shifted_loss_tokens(sample: Mapping[str, Any]) -> int:
     labels = sample.get("labels")
     if labels is None:
         return max(len(sample["input_ids"]) - 1, 0)
-    return int((torch.as_tensor(labels)[1:] != IGNORE_INDEX).sum())
+    shifted = torch.as_tensor(labels)[1:]
+    if not shifted.dtype.is_signed:  # unsigned labels compare as the collates cast them (uint8 wraps -100 to 156)
+        shifted = shifted.to(torch.int64)
+    return int((shifted != IGNORE_INDEX).sum())
 
 
 def logits_of(outputs: Any) -> torch.Tensor:

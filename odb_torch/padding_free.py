@@ -16,17 +16,18 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import default_collate
 
-from odb_core.errors import InvalidSampleError, PackedAttentionCostWarning, PackedAttentionError
+from odb_core.errors import InvalidSampleError, PackedAttentionCostWarning, PackedAttentionError, UnsupportedSettingError
+from odb_torch.collate import check_fields, collate_field
 
 IGNORE_INDEX = -100
 
 #: the batch keys the collate returns (the demo and the adapters rely on them)
 PACKED_KEYS = ("input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
-#: sample fields the row replaces (every other field is default-collated)
+#: sample fields the row replaces (every other field is default-collated, unless it has one entry per token)
 ROW_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+_ROW_FIELDS = frozenset(ROW_KEYS)
 
 #: the varlen keywords flash-attention kernels take (``transformers``' ``FlashAttentionKwargs``)
 VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -49,13 +50,18 @@ def packed_collate(samples: Sequence[Mapping[str, Any]], label_pad_id: int = IGN
     sample is ``label_pad_id``, so no label crosses a boundary and a causal loss over the
     row counts exactly each sample's shifted labels (``losses.shifted_loss_tokens``, P7).
     No ``attention_mask`` (a 2D mask would stop ``transformers`` from separating the samples;
-    one the samples carry is left out, as the row has no padding to mask). Any other field
-    goes through torch's ``default_collate``, as in ``pad_collate``. Labels of another length
-    than a sample's ``input_ids`` raise :class:`~odb_core.errors.InvalidSampleError` naming the
-    sample's place in the group (the loader adds the dataset indices: ``CollateFnError``).
+    an all-ones one the samples carry is left out: the row has no padding). Any other field goes
+    through torch's ``default_collate``, as in ``pad_collate``. Labels of another length than a
+    sample's ``input_ids``, an ``attention_mask`` with zeros (a padded sample: the row would train
+    on its padding), fields that differ between samples, and a failing ``default_collate`` are
+    :class:`~odb_core.errors.InvalidSampleError` naming the sample's place in the group or the field
+    (the loader adds the dataset indices: ``CollateFnError``). A field with one entry per token (its
+    first dimension each sample's ``input_ids`` length) cannot line up with the row collated per
+    sample: :class:`~odb_core.errors.UnsupportedSettingError` names it (``field``).
     """
     if not samples:
         raise InvalidSampleError("packed_collate needs at least one sample")
+    check_fields(samples, "packed_collate", _ROW_FIELDS)  # the row takes each sample's own
     ids = [torch.as_tensor(s["input_ids"], dtype=torch.int64).reshape(-1) for s in samples]
     labels = []
     for k, (s, row) in enumerate(zip(samples, ids, strict=True)):
@@ -68,10 +74,50 @@ def packed_collate(samples: Sequence[Mapping[str, Any]], label_pad_id: int = IGN
     cu = torch.zeros(len(ids) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lengths, 0)
     longest = int(lengths.max())
-    rest = {key: default_collate([s[key] for s in samples]) for key in samples[0] if key not in ROW_KEYS}
+    _check_masks(samples, ids)
+    rest = {key: _collate_extra([s[key] for s in samples], ids, key) for key in samples[0] if key not in ROW_KEYS}
     return {**rest, "input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None],
             "position_ids": torch.cat([torch.arange(len(r), dtype=torch.int64) for r in ids])[None],
             "cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone(), "max_length_q": longest, "max_length_k": longest}
+
+
+def _check_masks(samples: Sequence[Mapping[str, Any]], ids: list[torch.Tensor]) -> None:
+    """:class:`~odb_core.errors.InvalidSampleError` naming the sample unless each ``attention_mask``
+    is all ones over exactly its sample's ``input_ids`` (a zero marks padding the row would attend
+    to and train on)."""
+    masks = [torch.as_tensor(s["attention_mask"]).reshape(-1) for s in samples if "attention_mask" in s]
+    if not masks or (len(masks) == len(ids) and [m.shape[0] for m in masks] == [r.shape[0] for r in ids]
+                     and bool(torch.cat(masks).all())):  # the common cases, checked at once
+        return
+    for k, (s, row) in enumerate(zip(samples, ids)):
+        mask = torch.as_tensor(s.get("attention_mask", torch.ones(len(row)))).reshape(-1)
+        if len(mask) != len(row) or not bool(mask.all()):
+            problem = (f"{len(mask)} attention_mask entries for {len(row)} input_ids" if len(mask) != len(row)
+                       else f"an attention_mask with {int((mask == 0).sum())} zeros (a padded sample)")
+            raise InvalidSampleError(f"packed_collate: sample {k} of the group has {problem}; the padding-free row "
+                                     "has no mask, so it would attend to and train on those tokens: store samples "
+                                     "unpadded")
+
+
+def _first_dim(value: Any) -> int | None:
+    """The first dimension of a tensor, array, list or tuple; None for anything else (scalars, strings)."""
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    shape = getattr(value, "shape", None)
+    return int(shape[0]) if isinstance(shape, (tuple, torch.Size)) and len(shape) else None
+
+
+def _collate_extra(values: list[Any], ids: list[torch.Tensor], key: str) -> Any:
+    """``default_collate(values)`` of a field outside the row. A per-token field (its first dimension
+    is its sample's ``input_ids`` length in every sample, one of them longer than 1) is
+    :class:`~odb_core.errors.UnsupportedSettingError`."""
+    if any(len(r) > 1 for r in ids) and all(_first_dim(v) == len(r) for v, r in zip(values, ids)):
+        raise UnsupportedSettingError(
+            f"packed_collate: field {key!r} has one entry per input_id in every sample of the group (sample 0: "
+            f"{len(ids[0])}); collated per sample it would not line up with the padding-free row, which holds no "
+            "per-token field but input_ids, labels and position_ids: fold it into labels (-100 where no loss), "
+            "drop it, or use budget='padded' with pad_collate", field=key)
+    return collate_field(values, key, "packed_collate")
 
 
 def check_packed_attention(model: torch.nn.Module, device: str | torch.device | None = None) -> str | None:

@@ -182,13 +182,19 @@ def _is_index(value: Any) -> bool:
 
 
 def default_loss_tokens(sample: Any, length: int) -> int:
-    """Labels != -100 when the sample has ``labels``, else its length."""
+    """Labels != -100 when the sample has ``labels``, else its length (compared as the collates
+    cast them, int64: an unsigned label never wraps onto -100)."""
     if isinstance(sample, dict) and "labels" in sample:
         labels = sample["labels"]
         if isinstance(labels, torch.Tensor):
-            return int(labels.ne(-100).sum())
+            return int(_signed(labels).ne(-100).sum())
         return sum(1 for x in labels if x != -100)
     return length
+
+
+def _signed(labels: torch.Tensor) -> torch.Tensor:
+    """``labels`` as int64 if their dtype is unsigned (``uint8(156) == -100`` wraps), else as they are."""
+    return labels if labels.dtype.is_signed else labels.to(torch.int64)
 
 
 def _countable_labels(sample: Any) -> torch.Tensor | None:
@@ -225,7 +231,7 @@ def _label_counts(samples: list[Any]) -> list[int | None]:
         bounds = [0]
         for _, row in rows:
             bounds.append(bounds[-1] + row.shape[0])
-        kept = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cat([r for _, r in rows]).ne(-100).cumsum(0)])
+        kept = torch.cat([torch.zeros(1, dtype=torch.int64), _signed(torch.cat([r for _, r in rows])).ne(-100).cumsum(0)])
         at = kept[torch.tensor(bounds)].tolist()
         for j, (k, _) in enumerate(rows):
             counts[k] = at[j + 1] - at[j]
