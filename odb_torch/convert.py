@@ -12,8 +12,10 @@ ODB's ``seed``), so every rank trains its own shard and a resume replays the sam
 Nothing is patched and the DataLoader is not modified. What cannot be converted soundly
 is refused before anything starts, with an :class:`~odb_core.errors.UnsupportedSettingError`
 naming every such field: an ``IterableDataset`` (pass a stream to ``ODBDataLoader`` itself),
-``batch_size=None``, a custom ``batch_sampler``, a sampler drawing with replacement or not
-over the whole dataset, a non-distributed custom sampler under DDP, ``drop_last=True``
+``batch_size=None``, a custom ``batch_sampler``, a ``RandomSampler`` drawing with replacement
+or not over the whole dataset (it would become ODB's shuffled ``DistributedSampler``, which
+visits each sample once; another sampler, weighted ones included, is kept as it is when
+training alone), a non-distributed custom sampler under DDP, ``drop_last=True``
 (ODB yields every sample once: there is no last partial batch to drop), a
 ``worker_init_fn`` (ODB's workers run their own), a DataLoader subclass. Pass an ODB keyword
 (``sampler=``, ``collate_fn=`` ...) to replace a field, or ``ignore=("drop_last",
