@@ -48,7 +48,7 @@ from odb_core.errors import (
 from odb_core.tail import TailPosition
 from odb_torch.descriptors import ensure_descriptors
 from odb_torch.elastic import ElasticOrder
-from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, encode
+from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, decode, encode
 from odb_torch.ports import await_listener
 from odb_torch.process_guard import DieWithParent
 from odb_torch.sample_packing import IndexedDataset, PackedChunk, Packer, describe_exception, unpack
@@ -557,13 +557,17 @@ class CollateServer:
                 self.out.put(payload, timeout=0.2)
                 return
             except queue.Full:
-                if os.getppid() != self.parent:
+                if os.getppid() != self.parent or self._stop_sent():
+                    release_payload(payload)
                     raise _ParentGone from None
-                try:
-                    if isinstance(self.ctrl.get_nowait(), Stop):
-                        raise _ParentGone from None
-                except queue.Empty:
-                    pass
+
+    def _stop_sent(self) -> bool:
+        """Whether the trainer sent Stop (a command other than Stop is dropped: none comes while
+        a put waits, as the trainer sends the next epoch's only after this one's EpochEnd)."""
+        try:
+            return isinstance(self.ctrl.get_nowait(), Stop)
+        except queue.Empty:
+            return False
 
     def _open_trace(self, cmd: StartEpoch) -> None:
         if self.trace_dir is None:
@@ -583,6 +587,25 @@ class CollateServer:
         if self._trace_file is not None:
             self._trace_file.close()
             self._trace_file = None
+
+
+def file_system_sharing() -> bool:
+    """Whether torch shares tensors between processes by file name (``file_system``), not by descriptor."""
+    return bool(torch.multiprocessing.get_sharing_strategy() == "file_system")  # type: ignore[no-untyped-call]
+
+
+def release_payload(payload: bytes) -> None:
+    """Give back what pickling ``payload`` took, now that nobody will read it (a message never
+    put, or put and never read): under torch's ``file_system`` sharing strategy the pickling
+    counted a reference to each shared segment that only unpickling returns, so the segment
+    stayed in ``/dev/shm`` until every process of the job exited. Under ``file_descriptor`` (the
+    default) nothing is held. A payload that cannot be decoded any more holds nothing to return."""
+    if not file_system_sharing():
+        return
+    try:
+        decode(payload)
+    except Exception:
+        pass
 
 
 def _stack_dumps(arm: Callable[..., None], *args: Any, **kwargs: Any) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +74,26 @@ class Inbox:
             self._slot.put(item)  # every later get() says so too
             raise item.error
         return item
+
+    def drain(self, pending: Callable[[], bool], quiet: float = 0.05, timeout: float = 5.0) -> list[Any]:
+        """Every message still to come once the sender is gone, in order: until the slot stayed
+        empty for ``quiet`` seconds twice in a row while ``pending()`` (bytes left in the source's
+        pipe) was false, the pipe broke, or ``timeout`` passed. A message its dead sender left
+        half written is abandoned, never waited for (its rest would never come)."""
+        out: list[Any] = []
+        deadline, idle = time.monotonic() + timeout, 0
+        while idle < 2 and time.monotonic() < deadline:
+            try:
+                item = self._slot.get(timeout=quiet)
+            except queue.Empty:
+                idle = 0 if pending() else idle + 1  # a read finishing now is handed over within the next wait
+                continue
+            if isinstance(item, _Broken):
+                self._slot.put(item)
+                break
+            out.append(item)
+            idle = 0
+        return out
 
     def stop(self, wake: Callable[[], None] | None = None) -> None:
         """Tell the reading thread to end, wake it, and wait for it (at most twice :data:`POLL`).
