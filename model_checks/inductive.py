@@ -21,7 +21,7 @@ from model_checks.generated import Model, constants_cfg, model_module, outcome, 
 
 #: the invariants of ODB (Inductive.tla: ODBInvariants) and the strengthening they need
 ODB = ("TypeOK", "NoLeak", "DepthBound", "HeldOK", "Lockstep", "BudgetOK", "WithinCapacity", "JoinCoverage",
-       "QuotaClosure", "RoundBound", "BRuleAdmissible", "PoolOnce")
+       "QuotaClosure", "RoundBound", "BRuleAdmissible", "PoolOnce", "NoDupInRound")
 STRENGTHENING = ("RoundsEmitted", "QuotaOpen", "HeldOnlyWithRegroup")
 PROGRESS = ("QuiescentProgress", "IterationProgress")
 

@@ -98,7 +98,7 @@ HeldOnlyWithRegroup == RegroupDen = 0 => \A r \in Ranks : H[r] = {}
 \* the invariants of ODB as one predicate
 ODBInvariants ==
     /\ TypeOK /\ NoLeak /\ DepthBound /\ HeldOK /\ Lockstep /\ BudgetOK /\ WithinCapacity
-    /\ JoinCoverage /\ QuotaClosure /\ RoundBound /\ BRuleAdmissible /\ PoolOnce
+    /\ JoinCoverage /\ QuotaClosure /\ RoundBound /\ BRuleAdmissible /\ PoolOnce /\ NoDupInRound
 Strengthening == RoundsEmitted /\ QuotaOpen /\ HeldOnlyWithRegroup
 
 \* The depth bound before holds were capped at D (for the record: not inductive).
