@@ -69,16 +69,16 @@ def _simulate(args: argparse.Namespace) -> int:
     else:
         path = Path(args.lengths)
         if not path.is_file():
-            raise SystemExit(f"odb simulate: --lengths {args.lengths!r} is neither a file nor a known distribution")
+            raise ValueError(f"--lengths {args.lengths!r} is neither a file nor a known distribution")
         lengths = read_lengths(path)
         if args.samples is not None:
             if args.samples > len(lengths):
-                raise SystemExit(f"odb simulate: --samples {args.samples} exceeds the {len(lengths)} lengths in {path}")
+                raise ValueError(f"--samples {args.samples} exceeds the {len(lengths)} lengths in {path}")
             lengths = lengths[: args.samples]
     if args.samples is not None and args.samples < 0:
-        raise SystemExit("odb simulate: --samples must be >= 0")
+        raise ValueError("--samples must be >= 0")
     if args.world < 1:
-        raise SystemExit("odb simulate: --world must be >= 1")
+        raise ValueError("--world must be >= 1")
     try:
         config = ODBConfig(
             token_budget=args.token_budget,
@@ -96,7 +96,7 @@ def _simulate(args: argparse.Namespace) -> int:
             reserve_divisor=args.reserve_divisor,
         )
     except ValidationError as exc:
-        raise SystemExit(f"odb simulate: invalid configuration: {describe_error(exc)}") from None
+        raise ValueError(f"invalid configuration: {describe_error(exc)}") from None
     from odb_tools.progress import simulation_bar
 
     with simulation_bar(len(lengths), args.world, enabled=not args.json) as observer:
@@ -271,9 +271,9 @@ def _bench_batching(args: argparse.Namespace) -> int:
     known = [*DISTRIBUTIONS, "chat"]
     unknown = [d for d in names if d not in known]
     if unknown or not names:
-        raise SystemExit(f"odb bench batching: --distributions {args.distributions!r}: choose from {', '.join(known)}")
+        raise ValueError(f"--distributions {args.distributions!r}: choose from {', '.join(known)}")
     if max(args.worlds) > args.samples and any(d != "chat" for d in names):
-        raise SystemExit(f"odb bench batching: --worlds {max(args.worlds)} is more ranks than --samples {args.samples}")
+        raise ValueError(f"--worlds {max(args.worlds)} is more ranks than --samples {args.samples}")
     rows = run(samples=args.samples, budgets=args.budgets, worlds=args.worlds, buffer_size=args.buffer_size,
                distributions=names, seed=args.seed,
                reference_worlds=args.reference_worlds, progress=not args.json,
@@ -308,7 +308,7 @@ def _profile(args: argparse.Namespace) -> int:
     from odb_tools.profile import DEFAULT_BUDGETS, jsonl_lengths, markdown, profile
 
     if (args.step_fixed is None) != (args.step_per_token is None):
-        raise SystemExit("odb profile: give both --step-fixed and --step-per-token, or neither")
+        raise ValueError("give both --step-fixed and --step-per-token, or neither")
     if args.chat:
         from odb_tools.demo.chat_data import ChatDataset
 
@@ -320,7 +320,7 @@ def _profile(args: argparse.Namespace) -> int:
     else:
         path = Path(args.lengths)
         if not path.is_file():
-            raise SystemExit(f"odb profile: --lengths {args.lengths!r} is neither a file nor a known distribution")
+            raise ValueError(f"--lengths {args.lengths!r} is neither a file nor a known distribution")
         lengths = read_lengths(path)
     if args.max_length and not args.chat:
         lengths = [min(x, args.max_length) for x in lengths]
@@ -361,21 +361,21 @@ def _tune(args: argparse.Namespace) -> int:
     from odb_tools.tune.model import build_model, parse_overrides
 
     if args.max_budget < (args.start or args.step):
-        raise SystemExit(f"odb tune: --max-budget {args.max_budget} is below the first budget tried "
+        raise ValueError(f"--max-budget {args.max_budget} is below the first budget tried "
                          f"({args.start or args.step}: --start, else --step)")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("odb tune: --device cuda, but this torch sees no CUDA device")
+        raise ValueError("--device cuda, but this torch sees no CUDA device")
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # --model mymodule:build from the current directory, as python -m finds it
     try:
         limit = parse_bytes(args.memory)
         model = build_model(args.model, parse_overrides(args.set)).to(device=device, dtype=getattr(torch, args.dtype))
     except ValueError as exc:
-        raise SystemExit(f"odb tune: {exc}") from None
+        raise ValueError(f"{exc}") from None
     if args.gradient_checkpointing:
         if not hasattr(model, "gradient_checkpointing_enable"):
-            raise SystemExit("odb tune: --gradient-checkpointing needs a transformers model")
+            raise ValueError("--gradient-checkpointing needs a transformers model")
         getattr(model, "gradient_checkpointing_enable")()  # noqa: B009 - not every nn.Module has it
     model.train()
     result = tune(model, limit, args.max_length, budget=args.budget, device=device, step=args.step, start=args.start,
@@ -411,7 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except USER_ERRORS as exc:
         if os.environ.get("ODB_DEBUG"):
             raise
-        print(f"odb {args.command}: {describe_error(exc)}", file=sys.stderr)
+        command = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
+        print(f"odb {command}: {describe_error(exc)}", file=sys.stderr)
         return 2
 
 

@@ -202,3 +202,13 @@ def test_trl_sft_w2_conversational_resume_mid_epoch_loses_nothing_repeats_nothin
     check_linear_lr_by_samples(second[0]["lrs"], LR, total, math.ceil(total * WARMUP))
     m = second[0]["metrics"]
     assert abs(m["train_samples_per_second"] * m["train_runtime"] - sum(len(ids) for ids in after.values())) < 1.0
+
+
+def test_a_dataset_prepared_in_the_collator_is_refused_naming_train_dataset(example, tmp_path):
+    """Data TRL leaves unprepared (``skip_prepare_dataset``, as for vision data tokenized in the
+    collator) has no ``input_ids`` column to measure before batching: refused, naming the field."""
+    from odb_core.errors import UnsupportedSettingError
+
+    with pytest.raises(UnsupportedSettingError, match="input_ids") as info:
+        example.make_trainer(str(tmp_path), samples=8, sft_args={"dataset_kwargs": {"skip_prepare_dataset": True}})
+    assert info.value.field == "train_dataset"

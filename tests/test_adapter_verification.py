@@ -58,10 +58,14 @@ def test_real_non_join_run_that_chains_iterations_is_a_spec_behaviour(tmp_path):
         ({"1": {"target_policy": "paper"}}, "target_policy"),
         ({"1": {"seed": 4}}, "seed"),
         ({"1": {"n": 80}}, "dataset_size"),
+        ({"1": {"buffer": 8}}, "buffer_size"),
+        ({"1": {"budget": "packed"}}, "budget"),
+        ({"1": {"mode": "non-join"}}, "mode"),
     ],
 )
 def test_ranks_that_disagree_get_a_typed_error_naming_the_field(per_rank, field, tmp_path):
-    """Rank 1 builds its loader with another target policy, seed or dataset size: every rank
+    """Rank 1 builds its loader with another target policy, seed, dataset size, buffer, budget or
+    mode: every rank
     raises ConfigMismatchError naming the field at the epoch's handshake, before any batch,
     within seconds (not a hang, not an error elsewhere)."""
     started = time.monotonic()

@@ -126,6 +126,8 @@ BAD = [
     (["profile", "--lengths", "sharegpt4o", "--buffer-size", "0"], "profile", "--buffer-size"),
     (["simulate", "--token-budget", "0", "--samples", "10"], "simulate", "token_budget"),
     (["simulate", "--capacity", "0", "--samples", "10"], "simulate", "--capacity"),
+    (["simulate", "--world", "0", "--samples", "10"], "simulate", "--world"),
+    (["simulate", "--lengths", "{missing}"], "simulate", "neither a file nor a known distribution"),
     (["simulate", "--mode", "non-join", "--schedule", "empty_rank", "--world", "3", "--samples", "300"], "simulate",
      "consumed nothing"),
     (["bench", "batching", "--samples", "0"], "bench batching", "--samples"),
@@ -145,11 +147,11 @@ BAD = [
 
 @pytest.mark.parametrize("args,command,fragment", BAD, ids=[" ".join(a[:3]) for a, _, _ in BAD])
 def test_bad_input_is_one_line_naming_the_command_not_a_traceback(args, command, fragment, bad_inputs, capsys):
-    """Bad arguments, files and configurations end the command with a non-zero status and a
+    """Bad arguments, files and configurations end the command with exit status 2 and one
     message naming the command and what is wrong, never a traceback; ``odb check`` never
     reports a pass for a request that would check nothing (a glob matching nothing, a trace
     directory without logs)."""
     rc, err = run_cli([a.format(**bad_inputs) for a in args], capsys)
-    assert rc in (1, 2), (rc, err)
+    assert rc == 2, (rc, err)
     assert f"odb {command}" in err and fragment in err, err
     assert "Traceback" not in err and "passed" not in err, err

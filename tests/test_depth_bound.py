@@ -22,7 +22,8 @@ from odb_core.simulator import simulate
 @st.composite
 def depth_cases(draw: st.DrawFn) -> tuple[list[int], int, ODBConfig, str]:
     """Small worlds (1-4), capacities 1-4 or none, buffer = depth or depth > buffer,
-    both modes, every target and overflow policy, regroup off or at several thresholds."""
+    both modes, both budgets, a shared tail's pool or none (join), every target and overflow
+    policy, regroup off or at several thresholds."""
     world = draw(st.integers(1, 4))
     budget = draw(st.sampled_from([10, 64]))
     # short lengths make multi-sample groups, most of them padded: holds, and big ones
@@ -31,11 +32,14 @@ def depth_cases(draw: st.DrawFn) -> tuple[list[int], int, ODBConfig, str]:
     lengths = draw(st.lists(st.integers(0, longest), min_size=n, max_size=n))
     buffer_size = draw(st.integers(1, 16))
     depth = buffer_size + draw(st.one_of(st.just(0), st.integers(1, buffer_size)))
+    mode = draw(st.sampled_from(["join", "non-join"]))
     config = ODBConfig(
         token_budget=budget,
+        budget=draw(st.sampled_from(["padded", "packed"])),
+        shared_tail=draw(st.sampled_from([0.0, 0.1, 0.3])) if mode == "join" else 0.0,
         buffer_size=buffer_size,
         depth=depth,
-        mode=draw(st.sampled_from(["join", "non-join"])),
+        mode=mode,
         target_policy=draw(st.sampled_from(TARGET_POLICIES)),
         overflow_policy=draw(st.sampled_from(["largest", "oldest"])),
         output_capacity=draw(st.one_of(st.integers(1, 4), st.none())),

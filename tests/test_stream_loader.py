@@ -363,3 +363,13 @@ def test_a_stream_resume_point_above_an_unconsumed_position_is_refused() -> None
     with pytest.raises(ResumeStateError) as err:
         check_stream_start(start, 1, 2, Resumable(), [0, 1, 3, 7, 9])  # position 2 never trained
     assert err.value.field == "stream_resume" and err.value.rank == 1
+
+
+def test_an_empty_stream_without_idle_sample_is_a_typed_error_naming_the_fix(tmp_path: Path) -> None:
+    """W=2, rank 1's stream is empty and no ``idle_sample`` is given: rank 1 has no element to build
+    its idle batches from, so its epoch fails with CollateProcessError saying to pass idle_sample
+    (not a hang, not a batch made up); rank 0 learns it as an error too."""
+    task = {"port": free_port(2), "runs": [{"name": "empty", "source": "generator", "ids": [list(range(20)), []]}]}
+    results = run_ranks(2, task, tmp_path, target=stream_rank_main, timeout=120)
+    assert "CollateProcessError" in results[1].get("error", "") and "idle_sample" in results[1]["error"], results[1]
+    assert results[0].get("error", "").startswith("PeerError"), results[0]
