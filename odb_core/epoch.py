@@ -177,10 +177,12 @@ class EpochDriver:
     # ---- the handshake ----------------------------------------------------------------
     def hello(self, facts: Mapping[str, object] | None = None) -> list[int]:
         """The handshake vector: the epoch and a digest of every protocol field, of the pool's
-        cursor of a resumed pooled epoch, and of the caller's ``facts`` (sampler seed, dataset
-        size, ...), in a fixed order."""
-        # a resumed pooled epoch's cursor: ranks that disagree would claim the pool differently (P8)
-        facts = {**(facts or {}), "pool_cursor": self.tail.cursor if self.tail is not None else 0}
+        cursor of a resumed pooled epoch, of ``skip_idle``, and of the caller's ``facts`` (sampler
+        seed, dataset size, ...), in a fixed order."""
+        # a resumed pooled epoch's cursor: ranks that disagree would claim the pool differently (P8);
+        # skip_idle: ranks that disagree would end their loops after different numbers of steps (P2)
+        facts = {**(facts or {}), "pool_cursor": self.tail.cursor if self.tail is not None else 0,
+                 "skip_idle": int(self.skip_idle)}
         self._hello_fields = [*PROTOCOL_FIELDS, *sorted(facts)]
         values: list[object] = [getattr(self.config, f) for f in PROTOCOL_FIELDS]
         values += [facts[k] for k in sorted(facts)]

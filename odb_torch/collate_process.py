@@ -22,6 +22,8 @@ import math
 import os
 import queue
 import signal
+import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -135,6 +137,9 @@ class CollateSpec:
     worker_start_method: str | None
     skip_idle: bool = False
     driver_cls: type[EpochDriver] = EpochDriver
+    start: int = 0
+    """Which start of its loader this process is (1, 2, ...: a break mid-epoch, a mid-epoch
+    ``load_state_dict`` or ``close()`` restarts it), the same on every rank: the store's identity."""
 
 
 class _ParentGone(Exception):
@@ -154,17 +159,47 @@ class _ViewDataset(Dataset):  # type: ignore[type-arg]
         return self.views[pos], self.dataset[self.views[pos]]
 
 
+START_KEY = "odb/start"
+"""The store key holding the start it serves (:attr:`CollateSpec.start`), set by rank 0."""
+
+
 def _collate_group(spec: CollateSpec) -> tuple[Any, Any]:
-    """The collate group: its own TCPStore and ProcessGroupGloo, never the default group. The
-    other ranks' store clients wait for rank 0's server to listen (:func:`await_listener`)."""
+    """The collate group: its own TCPStore and ProcessGroupGloo, never the default group. Rank 0
+    serves the store and marks it with this start; the other ranks connect once it listens
+    (:func:`await_listener`) and only to the store of their own start (:func:`_join_store`)."""
     url = urlparse(spec.init_method)
     if url.scheme != "tcp" or url.hostname is None or url.port is None:
         raise ValueError(f"init_method must be tcp://host:port, got {spec.init_method!r}")
     timeout = timedelta(seconds=spec.timeout)
-    if spec.rank != 0:  # rank 0's collate process serves the store: connect once it listens
-        await_listener(url.hostname, url.port, spec.timeout)
-    store = TCPStore(url.hostname, url.port, spec.world, spec.rank == 0, timeout)
+    if spec.rank == 0:
+        store = TCPStore(url.hostname, url.port, spec.world, True, timeout)
+        store.set(START_KEY, str(spec.start))
+    else:
+        store = _join_store(spec, url.hostname, url.port, time.monotonic() + spec.timeout)
     return store, ProcessGroupGloo(store, spec.rank, spec.world, timeout)
+
+
+def _join_store(spec: CollateSpec, host: str, port: int, deadline: float) -> Any:
+    """A client of rank 0's store of this start. Rank 0's previous start may still listen on the
+    port (its trainer has not reached its restart yet, a skew of milliseconds): its store is
+    left, and joined again once this start's serves, until ``deadline`` (then ``TimeoutError``
+    naming the address and both starts: another ODB loader on the same port, or ranks that
+    restarted their loaders a different number of times)."""
+    while True:
+        await_listener(host, port, max(deadline - time.monotonic(), 0.0))
+        try:
+            store = TCPStore(host, port, spec.world, False, timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
+            found = store.get(START_KEY).decode()
+        except RuntimeError as exc:  # c10d's errors: the previous start's store closed as it was asked
+            store, found = None, f"unknown ({type(exc).__name__}: {exc})"
+        if found == str(spec.start):
+            return store
+        del store
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"the store at {host}:{port} serves start {found} of a loader, this rank's loader is "
+                               f"at start {spec.start}: another ODB loader uses this port (give each its own "
+                               "init_method), or the ranks restarted their loaders a different number of times")
+        time.sleep(0.02)  # rank 0's previous start is still closing
 
 
 def sampler_facts(sampler: Any, dataset: Any) -> dict[str, object]:
@@ -192,6 +227,7 @@ class CollateServer:
         self._load_state: tuple[list[int], list[list[int]], int] | None = None  # views, chunks, next chunk
         self._scheduled = 0  # positions of the iteration whose loads are started (shared tail: claims later)
         self._claims_sent = 0  # this rank's pool claims reported to the trainer (shared tail)
+        self._stashed: Any = None  # a command read while checking for Stop, not yet acted on
 
     # ---- the process ------------------------------------------------------------------
     def serve(self) -> None:
@@ -216,9 +252,12 @@ class CollateServer:
             store, self.pg = _collate_group(spec)
         except Exception as exc:
             self._close_loading()
+            in_use = "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower()
+            hint = ("; another process or ODB loader serves this port: give each loader its own init_method (or "
+                    "ODB_COLLATE_PORT)") if in_use else ""
             self.out.put(encode(Failure(self._as_error(exc) if worker_death(exc) else PeerError(
                 f"rank {spec.rank}: collate group rendezvous at {spec.init_method} failed: {type(exc).__name__}: "
-                f"{exc}", rank=spec.rank))))
+                f"{exc}{hint}", rank=spec.rank))))
             return
         try:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
@@ -238,6 +277,9 @@ class CollateServer:
             self.out.cancel_join_thread()
 
     def _next_command(self) -> StartEpoch | None:
+        if self._stashed is not None:
+            cmd, self._stashed = self._stashed, None
+            return None if isinstance(cmd, Stop) else cmd
         while True:
             try:
                 cmd = self.ctrl.get(timeout=1.0)
@@ -298,6 +340,7 @@ class CollateServer:
             facts = {**sampler_facts(self.sampler, spec.dataset), "first_step": cmd.first_step}
             self._handshake(driver, facts)
             ended = self._rounds(driver)
+            self._close_loading()  # the epoch's DataLoader workers end with it, not at the next StartEpoch
         finally:
             self._flush_trace(driver)
         if not ended:
@@ -316,6 +359,8 @@ class CollateServer:
         # an iteration _prepare started is under way: its loads are self._loading
         samples: dict[int, Any] = {}  # B: position -> sample
         while not driver.done:
+            if self._stop_sent():  # the trainer closed mid-epoch: stop now, not when the queue fills
+                raise _ParentGone
             if driver.sampler_epoch is not None:
                 self._start_iteration(driver)
                 samples = {}
@@ -477,8 +522,11 @@ class CollateServer:
         return packed
 
     def _deliver(self, driver: EpochDriver, item: Delivery | LoopEnd, samples: dict[int, Any]) -> bool:
-        """Collate one delivery and put it for the trainer; True for the loop's end."""
+        """Collate one delivery and put it for the trainer; True for the loop's end. A Stop the
+        trainer sent (it closed mid-epoch) ends this process before the next collate_fn call."""
         spec = self.spec
+        if self._stop_sent():
+            raise _ParentGone
         if isinstance(item, LoopEnd):
             self._put(EpochEnd(driver.epoch))
             return True
@@ -562,12 +610,15 @@ class CollateServer:
                     raise _ParentGone from None
 
     def _stop_sent(self) -> bool:
-        """Whether the trainer sent Stop (a command other than Stop is dropped: none comes while
-        a put waits, as the trainer sends the next epoch's only after this one's EpochEnd)."""
+        """Whether the trainer sent Stop; another command read here is kept for
+        :meth:`_next_command` (the trainer sends the next epoch's only after this one's EpochEnd)."""
+        if self._stashed is not None:
+            return isinstance(self._stashed, Stop)
         try:
-            return isinstance(self.ctrl.get_nowait(), Stop)
+            self._stashed = self.ctrl.get_nowait()
         except queue.Empty:
             return False
+        return isinstance(self._stashed, Stop)
 
     def _open_trace(self, cmd: StartEpoch) -> None:
         if self.trace_dir is None:
@@ -618,6 +669,32 @@ def _stack_dumps(arm: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         pass
 
 
+def _exit_with_trainer(parent: int) -> None:
+    """End this process as soon as its trainer (``parent``) is gone, whatever it is doing: a
+    daemon thread waits on the parent's sentinel (``multiprocessing.parent_process``) and checks
+    the parent's pid twice a second. The main thread may be blocked in C++ for up to the timeout
+    (the store's rendezvous, a gather waiting for a peer), where no check of its own runs: a
+    killed trainer's collate process lived on for the whole timeout (300 s by default), holding
+    the trainer's stdout (a launcher reading it waited) and its rendezvous port. Its DataLoader
+    workers die with it (the kernel signals them)."""
+    import multiprocessing.connection
+
+    origin = multiprocessing.parent_process()
+    sentinel = None if origin is None else origin.sentinel
+
+    def watch() -> None:
+        while True:
+            if sentinel is not None:
+                gone = bool(multiprocessing.connection.wait([sentinel], timeout=0.5))
+            else:
+                time.sleep(0.5)
+                gone = False
+            if gone or os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="odb-trainer-watch", daemon=True).start()
+
+
 def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any) -> None:
     """Process entry point: serve epochs until told to stop (:class:`CollateServer`).
 
@@ -651,6 +728,7 @@ def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any) -> None:
     uncollected): what this process allocates is collected as usual."""
     gc.freeze()
     gc.enable()
+    _exit_with_trainer(os.getppid())
     if STACK_SIGNAL is not None:
         _stack_dumps(faulthandler.register, STACK_SIGNAL, all_threads=True)
     torch.set_num_threads(1)

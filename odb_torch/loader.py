@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import pickle
@@ -252,6 +253,7 @@ class ODBDataLoader:
             worker_start_method=worker_start_method or ("fork" if "fork" in tmp.get_all_start_methods() else "spawn"),
         )
         self.skip_idle = skip_idle
+        self._starts = 0  # collate processes started so far (CollateSpec.start)
         self.pin_memory = pin_memory and pinning_available()
         if pin_memory and not self.pin_memory:
             warnings.warn(f"rank {rank}: pin_memory=True but no accelerator is available: batches are not pinned",
@@ -435,6 +437,8 @@ class ODBDataLoader:
         self._stream_point = self._stream_start
 
     def _start(self) -> None:
+        self._starts += 1  # the store's identity: ranks restart alike, so their counts agree
+        self._spec = dataclasses.replace(self._spec, start=self._starts)
         sampler = self.sampler if self._elastic is None else ElasticOrder(
             check_sampler(self.sampler, self.rank, self.world_size), self._elastic)
         check_spawnable((self._spec, sampler), self._start_method, inspect.currentframe(), rank=self.rank)
@@ -522,17 +526,24 @@ class ODBDataLoader:
     def _receive(self) -> Reply:
         """The collate process's next message; a typed error if it died or stayed silent."""
         deadline = time.monotonic() + self.timeout * SILENCE_GRACE
+        inbox, proc = self._inbox, self._proc
         while True:
+            if inbox is None or proc is None or self._proc is not proc:  # close() from another thread
+                raise LoaderStateError(f"rank {self.rank}: the loader was closed while this iterator waited for a "
+                                       "batch; start a new `for batch in loader` loop", rank=self.rank)
             try:
-                assert self._inbox is not None
-                payload = self._inbox.get(timeout=1.0)
+                payload = inbox.get(timeout=1.0)
             except (EOFError, OSError) as exc:  # the queue's pipe broke with its sender
-                self._proc.join(5.0)
-                self._fail(self._death() if not self._proc.is_alive() else CollateProcessError(
+                if self._proc is not proc:
+                    continue  # closed meanwhile: said above
+                proc.join(5.0)
+                self._fail(self._death() if not proc.is_alive() else CollateProcessError(
                     f"rank {self.rank}: lost the collate process's queue: {type(exc).__name__}: {exc}",
                     rank=self.rank))
             except queue.Empty:
-                if not self._proc.is_alive():
+                if self._proc is not proc:
+                    continue
+                if not proc.is_alive():
                     self._fail(self._death())
                 if time.monotonic() > deadline:
                     self._dump_collate_stacks()
@@ -546,8 +557,10 @@ class ODBDataLoader:
             try:
                 return decode(payload)
             except Exception as exc:  # a batch's tensors died with their sender, or a bad message
-                self._proc.join(1.0)
-                if not self._proc.is_alive():
+                if self._proc is not proc:
+                    continue  # closed meanwhile
+                proc.join(1.0)
+                if not proc.is_alive():
                     self._fail(self._death())
                 self._fail(CollateProcessError(f"rank {self.rank}: a message of the collate process cannot be "
                                                f"unpickled here: {type(exc).__name__}: {exc}", rank=self.rank))
@@ -565,6 +578,8 @@ class ODBDataLoader:
 
     def _death(self) -> CollateProcessError:
         """Why the collate process died, as far as this process can tell."""
+        if self._proc is None:  # closed by another thread meanwhile
+            return CollateProcessError(f"rank {self.rank}: the loader was closed", rank=self.rank)
         code = self._proc.exitcode
         if code == 1 and not self._heard and self._start_method != "fork":  # died in the spawn bootstrap
             return CollateProcessError(f"rank {self.rank}: " + explain_start_failure(

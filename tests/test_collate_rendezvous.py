@@ -5,10 +5,14 @@ milliseconds, ``benchmarks/bench_startup.py``), and the group still forms."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch_support import leftover_processes
 
 import odb_torch.collate_process as collate_process
 from odb_core import ODBConfig
@@ -51,3 +55,118 @@ def test_rank_1_waits_for_rank_0s_store_then_the_group_forms(monkeypatch):
     for work, outs in works:
         work.wait()
         assert [int(t) for t in outs[0]] == [10, 11]
+
+
+def test_a_rank_leaves_the_previous_starts_store_and_joins_its_own(monkeypatch):
+    """Rank 0's previous collate process may still serve the port when rank 1's next one arrives
+    (its trainer reaches the restart after a break a little later): rank 1 sees the old store's
+    start, leaves it, and joins the store of its own start once rank 0 serves it. It used to join
+    the old store: a 'connection reset' on rank 1 and, on rank 0, a rendezvous timeout."""
+    from datetime import timedelta
+
+    port = free_port()
+    old = collate_process.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
+    old.set(collate_process.START_KEY, "1")  # rank 0's first start, still serving
+    seen = threading.Event()
+    real = collate_process.TCPStore
+
+    class Recording:  # notes a client that found the old store (asking it as _join_store does)
+        def __new__(cls, host: str, p: int, world: int, master: bool, *args: Any, **kw: Any) -> Any:
+            store = real(host, p, world, master, *args, **kw)
+            if not master and store.get(collate_process.START_KEY) == b"1":
+                seen.set()
+            return store
+
+    monkeypatch.setattr(collate_process, "TCPStore", Recording)
+    groups: dict[int, Any] = {}
+
+    def join(rank: int) -> None:
+        spec = _spec(rank, port)
+        spec.start = 2
+        groups[rank] = collate_process._collate_group(spec)
+
+    second = threading.Thread(target=join, args=(1,))
+    second.start()
+    assert seen.wait(30), "rank 1 never reached the old store"
+    del old  # rank 0's trainer stops its first collate process, then starts the second
+    first = threading.Thread(target=join, args=(0,))
+    first.start()
+    for t in (first, second):
+        t.join(60)
+    assert sorted(groups) == [0, 1], "the second start's group did not form"
+    works = []
+    for rank in (0, 1):
+        outs = [[torch.empty(1, dtype=torch.int64) for _ in range(2)]]
+        works.append((groups[rank][1].allgather(outs, [torch.tensor([20 + rank])]), outs))
+    for work, outs in works:
+        work.wait()
+        assert [int(t) for t in outs[0]] == [20, 21]
+
+
+def test_a_store_of_another_start_is_a_timeout_naming_both_starts():
+    from datetime import timedelta
+
+    port = free_port()
+    old = collate_process.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
+    old.set(collate_process.START_KEY, "3")
+    spec = _spec(1, port)
+    spec.start, spec.timeout = 1, 2
+    try:
+        collate_process._collate_group(spec)
+        raise AssertionError("rank 1 joined the store of another start")
+    except TimeoutError as exc:
+        assert f"127.0.0.1:{port}" in str(exc) and "start 3" in str(exc) and "start 1" in str(exc), exc
+    del old
+
+
+TRAINER = r"""
+import os, signal, sys, threading, torch
+from odb_torch import ODBDataLoader, pad_collate
+loader = ODBDataLoader([{"input_ids": torch.arange(3)}] * 8, token_budget=16, collate_fn=pad_collate, num_workers=1,
+                       rank=0, world_size=2, timeout=60, init_method="tcp://127.0.0.1:" + sys.argv[1])
+threading.Thread(target=lambda: next(iter(loader)), daemon=True).start()  # rank 1 never comes: it waits
+while loader._proc is None or loader._proc.pid is None:
+    pass
+print(loader._proc.pid, flush=True)
+signal.pause()
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path("/proc", str(pid), "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_killed_trainers_collate_process_ends_at_once_even_in_the_rendezvous():
+    """The trainer is SIGKILLed while its collate process waits in the store's rendezvous (rank 1
+    never comes; timeout 60 s): the collate process ends within seconds. It used to live on for
+    the whole timeout (300 s by default), holding the trainer's stdout and the port."""
+    import subprocess
+    import sys
+    import time
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER, str(port)], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1], start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        collate = int(proc.stdout.readline())
+        await_listener("127.0.0.1", port, 30)  # the store serves: the collate process waits for rank 1 in C++
+        proc.kill()
+        proc.wait(30)
+        killed = time.monotonic()
+        while _alive(collate) and time.monotonic() - killed < 30:
+            pass
+        assert not _alive(collate), "the collate process outlived its trainer"
+        assert time.monotonic() - killed < 10, f"the collate process lived {time.monotonic() - killed:.1f}s on"
+        while leftover_processes("", frozenset({proc.pid})) and time.monotonic() - killed < 30:
+            pass  # its DataLoader worker ends with it
+        assert not leftover_processes("", frozenset({proc.pid})), "a process of the trainer's session is left"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

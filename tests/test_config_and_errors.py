@@ -92,3 +92,16 @@ def test_zero_length_samples_are_emitted_not_dropped():
     assert emitted == [0, 1, 2, 3]
     zero_groups = [s.lengths for steps in result.steps for s in steps if s.lengths and max(s.lengths) == 0]
     assert zero_groups, "zero-length samples travel in ordinary groups"
+
+
+def test_ranks_that_disagree_on_skip_idle_fail_the_handshake():
+    """skip_idle ends a rank's loop at its last real step: ranks that disagree would yield different
+    numbers of steps (P2), silently; the handshake names it."""
+    from odb_core.epoch import EpochDriver
+    from odb_core.errors import ConfigMismatchError
+
+    drivers = [EpochDriver(ODBConfig(token_budget=10), r, 2, skip_idle=flag) for r, flag in enumerate((True, False))]
+    gathered = [d.hello() for d in drivers]
+    with pytest.raises(ConfigMismatchError) as info:
+        drivers[0].check_hello(gathered)
+    assert info.value.field == "skip_idle" and info.value.ranks == (1,)

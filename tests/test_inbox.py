@@ -148,3 +148,75 @@ def test_close_is_prompt_when_the_collate_process_failed_with_the_queue_full(tmp
         assert time.monotonic() - started < 5, "close() waited for a collate process blocked on its Failure"
     finally:
         loader.close()
+
+
+def _slow_collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    time.sleep(0.3)  # a collate_fn doing 0.3 s of work per batch
+    return pad_collate(samples)
+
+
+def test_close_after_a_break_waits_for_one_collate_call_not_for_the_queue_to_fill():
+    """After a break the collate process sees the trainer's Stop before its next collate_fn
+    call; it used to see it only once the queue was full (8 batches here: 2.4 s and more of
+    collate_fn work, up to close()'s 10 s and a terminate with slower ones)."""
+    data = [{"input_ids": torch.arange(1 + i % 7)} for i in range(256)]
+    loader = ODBDataLoader(data, token_budget=16, collate_fn=_slow_collate, num_workers=0, rank=0, world_size=1,
+                           timeout=30, queue_size=8, start_method="fork")
+    try:
+        for _ in loader:
+            break
+        started = time.monotonic()
+        loader.close(timeout=30)
+        assert time.monotonic() - started < 1.5, f"close() took {time.monotonic() - started:.1f}s"
+    finally:
+        loader.close()
+
+
+class _SlowAfterFirst:
+    """A collate_fn whose first batch is quick and every later one takes 1.5 s of work."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        self.calls += 1
+        if self.calls > 1:
+            time.sleep(1.5)
+        return pad_collate(samples)
+
+
+def _waiting_in_receive(thread_id: int) -> bool:
+    import sys
+    import traceback as tb
+
+    frame = sys._current_frames().get(thread_id)
+    names = [f.name for f in tb.extract_stack(frame)] if frame is not None else []
+    return "_receive" in names and names[-1] == "wait"  # blocked on the empty slot
+
+
+def test_close_from_another_thread_is_a_loader_state_error_in_the_waiting_loop():
+    """A watchdog thread closes the loader while the training thread waits for a batch: the
+    loop raises LoaderStateError naming the rank (it raised AttributeError on the closed loader's
+    None process)."""
+    import threading
+
+    from odb_core.errors import LoaderStateError
+
+    data = [{"input_ids": torch.arange(1 + i % 7)} for i in range(64)]
+    loader = ODBDataLoader(data, token_budget=16, collate_fn=_SlowAfterFirst(), num_workers=0, rank=0, world_size=1,
+                           timeout=30, queue_size=1, start_method="fork")
+    main = threading.get_ident()
+
+    def close_when_waiting() -> None:
+        waited = time.monotonic()
+        while not _waiting_in_receive(main) and time.monotonic() - waited < 30:
+            pass
+        loader.close()
+
+    try:
+        with pytest.raises(LoaderStateError) as err:
+            for _ in loader:
+                threading.Thread(target=close_when_waiting, daemon=True).start()
+        assert err.value.rank == 0
+    finally:
+        loader.close()
