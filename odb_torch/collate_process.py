@@ -25,11 +25,12 @@ import signal
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import urlparse
 
 import torch
@@ -185,21 +186,22 @@ def _join_store(spec: CollateSpec, host: str, port: int, deadline: float) -> Any
     left, and joined again once this start's serves, until ``deadline`` (then ``TimeoutError``
     naming the address and both starts: another ODB loader on the same port, or ranks that
     restarted their loaders a different number of times)."""
+    found = "none (no store answered)"
     while True:
         await_listener(host, port, max(deadline - time.monotonic(), 0.0))
         try:
             store = TCPStore(host, port, spec.world, False, timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
             found = store.get(START_KEY).decode()
-        except RuntimeError as exc:  # c10d's errors: the previous start's store closed as it was asked
-            store, found = None, f"unknown ({type(exc).__name__}: {exc})"
-        if found == str(spec.start):
+        except RuntimeError:  # c10d's errors: the previous start's store closed as it was asked
+            store = None
+        if store is not None and found == str(spec.start):
             return store
         del store
         if time.monotonic() >= deadline:
             raise TimeoutError(f"the store at {host}:{port} serves start {found} of a loader, this rank's loader is "
                                f"at start {spec.start}: another ODB loader uses this port (give each its own "
                                "init_method), or the ranks restarted their loaders a different number of times")
-        time.sleep(0.02)  # rank 0's previous start is still closing
+        time.sleep(0.05)  # rank 0's previous start is still closing
 
 
 def sampler_facts(sampler: Any, dataset: Any) -> dict[str, object]:
@@ -227,7 +229,7 @@ class CollateServer:
         self._load_state: tuple[list[int], list[list[int]], int] | None = None  # views, chunks, next chunk
         self._scheduled = 0  # positions of the iteration whose loads are started (shared tail: claims later)
         self._claims_sent = 0  # this rank's pool claims reported to the trainer (shared tail)
-        self._stashed: Any = None  # a command read while checking for Stop, not yet acted on
+        self._stashed: deque[Any] = deque()  # commands read while checking for Stop, not yet acted on
 
     # ---- the process ------------------------------------------------------------------
     def serve(self) -> None:
@@ -277,9 +279,10 @@ class CollateServer:
             self.out.cancel_join_thread()
 
     def _next_command(self) -> StartEpoch | None:
-        if self._stashed is not None:
-            cmd, self._stashed = self._stashed, None
-            return None if isinstance(cmd, Stop) else cmd
+        if self._stashed:
+            if any(isinstance(c, Stop) for c in self._stashed):  # a Stop behind a stashed StartEpoch: stop
+                return None
+            return cast(StartEpoch, self._stashed.popleft())
         while True:
             try:
                 cmd = self.ctrl.get(timeout=1.0)
@@ -610,15 +613,15 @@ class CollateServer:
                     raise _ParentGone from None
 
     def _stop_sent(self) -> bool:
-        """Whether the trainer sent Stop; another command read here is kept for
-        :meth:`_next_command` (the trainer sends the next epoch's only after this one's EpochEnd)."""
-        if self._stashed is not None:
-            return isinstance(self._stashed, Stop)
-        try:
-            self._stashed = self.ctrl.get_nowait()
-        except queue.Empty:
-            return False
-        return isinstance(self._stashed, Stop)
+        """Whether the trainer sent Stop; the commands read here wait in ``_stashed`` for
+        :meth:`_next_command` (a StartEpoch the trainer sent once this rank's loop ended, under
+        ``skip_idle``, may be followed by a Stop: both are read, so the Stop is seen)."""
+        while True:
+            try:
+                self._stashed.append(self.ctrl.get_nowait())
+            except queue.Empty:
+                break
+        return any(isinstance(c, Stop) for c in self._stashed)
 
     def _open_trace(self, cmd: StartEpoch) -> None:
         if self.trace_dir is None:

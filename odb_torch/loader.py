@@ -60,6 +60,9 @@ from odb_torch.stream_loading import (
     stream_state,
 )
 
+_STARTS: dict[str, int] = {}
+"""Collate groups started by this process per rendezvous address (:attr:`CollateSpec.start`)."""
+
 
 def _close_writer(q: Any) -> None:
     """Close this process's write end of ``q``'s pipe (``multiprocessing.Queue`` keeps it as
@@ -253,7 +256,6 @@ class ODBDataLoader:
             worker_start_method=worker_start_method or ("fork" if "fork" in tmp.get_all_start_methods() else "spawn"),
         )
         self.skip_idle = skip_idle
-        self._starts = 0  # collate processes started so far (CollateSpec.start)
         self.pin_memory = pin_memory and pinning_available()
         if pin_memory and not self.pin_memory:
             warnings.warn(f"rank {rank}: pin_memory=True but no accelerator is available: batches are not pinned",
@@ -437,8 +439,11 @@ class ODBDataLoader:
         self._stream_point = self._stream_start
 
     def _start(self) -> None:
-        self._starts += 1  # the store's identity: ranks restart alike, so their counts agree
-        self._spec = dataclasses.replace(self._spec, start=self._starts)
+        # the store's identity: this process's collate groups formed at this address so far
+        # (every loader's starts: two loaders on the default port are told apart too); ranks
+        # create and restart their loaders alike, so their counts agree
+        _STARTS[self._spec.init_method] = start = _STARTS.get(self._spec.init_method, 0) + 1
+        self._spec = dataclasses.replace(self._spec, start=start)
         sampler = self.sampler if self._elastic is None else ElasticOrder(
             check_sampler(self.sampler, self.rank, self.world_size), self._elastic)
         check_spawnable((self._spec, sampler), self._start_method, inspect.currentframe(), rank=self.rank)

@@ -107,11 +107,20 @@ def _first_dim(value: Any) -> int | None:
     return int(shape[0]) if isinstance(shape, (tuple, torch.Size)) and len(shape) else None
 
 
+#: fields Hugging Face tokenizers, collators and TRL give one entry per token
+PER_TOKEN_NAMES = frozenset({"token_type_ids", "special_tokens_mask", "completion_mask", "assistant_masks",
+                             "loss_mask", "offset_mapping"})
+
+
 def _collate_extra(values: list[Any], ids: list[torch.Tensor], key: str) -> Any:
-    """``default_collate(values)`` of a field outside the row. A per-token field (its first dimension
-    is its sample's ``input_ids`` length in every sample, one of them longer than 1) is
-    :class:`~odb_core.errors.UnsupportedSettingError`."""
-    if any(len(r) > 1 for r in ids) and all(_first_dim(v) == len(r) for v, r in zip(values, ids)):
+    """``default_collate(values)`` of a field outside the row. A per-token field is
+    :class:`~odb_core.errors.UnsupportedSettingError`: one of :data:`PER_TOKEN_NAMES` whose first
+    dimension is its sample's ``input_ids`` length in every sample, or any field that is so in a
+    group of samples of different lengths (a fixed-size field matching equal lengths, or the one
+    sample of a group, by chance, is collated per sample)."""
+    lengths = [len(r) for r in ids]
+    matches = all(_first_dim(v) == n for v, n in zip(values, lengths))
+    if matches and (key in PER_TOKEN_NAMES or len(set(lengths)) > 1):
         raise UnsupportedSettingError(
             f"packed_collate: field {key!r} has one entry per input_id in every sample of the group (sample 0: "
             f"{len(ids[0])}); collated per sample it would not line up with the padding-free row, which holds no "

@@ -41,7 +41,15 @@ from odb_core.errors import (
     SampleLoadError,
     UnsupportedSettingError,
 )
-from odb_torch.collate_process import MAX_CHUNK, CollateServer, CollateSpec, LoadStuck, check_interval, next_loaded
+from odb_torch.collate_process import (
+    MAX_CHUNK,
+    CollateServer,
+    CollateSpec,
+    LoadStuck,
+    _ParentGone,
+    check_interval,
+    next_loaded,
+)
 from odb_torch.messages import Batch, EpochEnd, Reply, StartEpoch
 from odb_torch.process_guard import DieWithParent
 from odb_torch.sample_packing import PackedChunk, Packer, describe_exception, pack, unpack
@@ -364,6 +372,8 @@ class StreamServer(CollateServer):
         ended = False
         samples: dict[int, Any] = {}
         while not driver.done:
+            if self._stop_sent():  # the trainer closed mid-epoch: stop now, not when the queue fills
+                raise _ParentGone
             if driver.sampler_epoch is not None:
                 if hasattr(self.spec.dataset, "set_epoch"):
                     self.spec.dataset.set_epoch(driver.epoch)

@@ -299,7 +299,7 @@ def load_windows_state(windows: AccumulationWindows, folder: str) -> None:
         _load_rank_state(windows, folder)
     except Exception as exc:  # every rank must reach the agreement, whatever failed
         error = exc
-    agree_on_loading(error, windows.loader.rank, folder)
+    agree_on_loading(error, windows.loader.rank, folder, windows.loader.world_size)
 
 
 def _load_rank_state(windows: AccumulationWindows, folder: str) -> None:
@@ -327,14 +327,15 @@ def _load_rank_state(windows: AccumulationWindows, folder: str) -> None:
             windows.loader.load_state_dict(state["loader"])  # validates rank, world size and seed
 
 
-def agree_on_loading(error: BaseException | None, rank: int, where: str) -> None:
+def agree_on_loading(error: BaseException | None, rank: int, where: str, world: int) -> None:
     """Raise ``error`` if this rank failed to load its state, or :class:`CheckpointStateError`
-    naming the ranks that did, when ``torch.distributed`` is initialised with more than one rank
-    (every rank must call this: one ``all_gather_object`` of the outcomes over the default group);
-    without a process group, just ``error``. Nothing starts on a rank whose peers cannot resume."""
+    naming the ranks that did, when ``torch.distributed``'s default group is the loader's
+    ``world`` of more than one rank (every rank must call this: one ``all_gather_object`` of the
+    outcomes over the default group); otherwise just ``error``. Nothing starts on a rank whose
+    peers cannot resume."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if not (dist.is_available() and dist.is_initialized()) or world < 2 or dist.get_world_size() != world:
         if error is not None:
             raise error
         return

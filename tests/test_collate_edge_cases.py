@@ -63,6 +63,18 @@ def test_packed_collate_refuses_a_per_token_field(field, as_tensor):
         assert err.field == field and f"{field!r} has one entry per input_id" in str(err)
 
 
+def test_packed_collate_refuses_any_field_that_follows_different_lengths_and_stacks_one_that_may_be_fixed():
+    """A field of another name is per-token when it follows the lengths of samples of different
+    lengths; with one sample, or samples of one length (common: groups form by length), a
+    fixed-size field such as class scores matches by chance and is stacked as before."""
+    err = raises(UnsupportedSettingError, packed_collate,
+                 [{"input_ids": list(range(n)), "weights": [0.5] * n} for n in (2, 5)])
+    assert err.field == "weights"
+    for lengths in ((4,), (4, 4)):
+        batch = packed_collate([{"input_ids": list(range(n)), "scores": torch.rand(4)} for n in lengths])
+        assert batch["scores"].shape == (len(lengths), 4)
+
+
 def test_packed_collate_still_collates_fields_that_are_not_per_token():
     """Fields of a fixed size, even one a sample's length happens to equal (pixel_values of sample 1)."""
     group = [{"input_ids": [1, 2, 3], "idx": 7, "text": "abc", "pixel_values": torch.zeros(2, 4)},

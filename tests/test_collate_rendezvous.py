@@ -57,16 +57,34 @@ def test_rank_1_waits_for_rank_0s_store_then_the_group_forms(monkeypatch):
         assert [int(t) for t in outs[0]] == [10, 11]
 
 
+def _old_store(port: int, start: str, stop: Any) -> None:
+    """Rank 0's previous collate process: a store of another start on ``port``, served until ``stop``."""
+    from datetime import timedelta
+
+    store = collate_process.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
+    store.set(collate_process.START_KEY, start)
+    stop.wait(60)
+
+
+def _serving(port: int, start: str) -> tuple[Any, Any]:
+    """A process serving :func:`_old_store`, once it listens, and the event that ends it."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    stop = ctx.Event()
+    proc = ctx.Process(target=_old_store, args=(port, start, stop), daemon=True)
+    proc.start()
+    await_listener("127.0.0.1", port, 30)
+    return proc, stop
+
+
 def test_a_rank_leaves_the_previous_starts_store_and_joins_its_own(monkeypatch):
     """Rank 0's previous collate process may still serve the port when rank 1's next one arrives
     (its trainer reaches the restart after a break a little later): rank 1 sees the old store's
     start, leaves it, and joins the store of its own start once rank 0 serves it. It used to join
     the old store: a 'connection reset' on rank 1 and, on rank 0, a rendezvous timeout."""
-    from datetime import timedelta
-
     port = free_port()
-    old = collate_process.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
-    old.set(collate_process.START_KEY, "1")  # rank 0's first start, still serving
+    old, stop = _serving(port, "1")  # rank 0's first start, still serving
     seen = threading.Event()
     real = collate_process.TCPStore
 
@@ -87,8 +105,11 @@ def test_a_rank_leaves_the_previous_starts_store_and_joins_its_own(monkeypatch):
 
     second = threading.Thread(target=join, args=(1,))
     second.start()
-    assert seen.wait(30), "rank 1 never reached the old store"
-    del old  # rank 0's trainer stops its first collate process, then starts the second
+    try:
+        assert seen.wait(30), "rank 1 never reached the old store"
+    finally:
+        stop.set()  # rank 0's trainer stops its first collate process, then starts the second
+        old.join(30)
     first = threading.Thread(target=join, args=(0,))
     first.start()
     for t in (first, second):
@@ -104,11 +125,8 @@ def test_a_rank_leaves_the_previous_starts_store_and_joins_its_own(monkeypatch):
 
 
 def test_a_store_of_another_start_is_a_timeout_naming_both_starts():
-    from datetime import timedelta
-
     port = free_port()
-    old = collate_process.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
-    old.set(collate_process.START_KEY, "3")
+    old, stop = _serving(port, "3")
     spec = _spec(1, port)
     spec.start, spec.timeout = 1, 2
     try:
@@ -116,7 +134,9 @@ def test_a_store_of_another_start_is_a_timeout_naming_both_starts():
         raise AssertionError("rank 1 joined the store of another start")
     except TimeoutError as exc:
         assert f"127.0.0.1:{port}" in str(exc) and "start 3" in str(exc) and "start 1" in str(exc), exc
-    del old
+    finally:
+        stop.set()
+        old.join(30)
 
 
 TRAINER = r"""
@@ -170,3 +190,42 @@ def test_a_killed_trainers_collate_process_ends_at_once_even_in_the_rendezvous()
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_successive_loaders_on_one_address_form_groups_of_distinct_starts():
+    """The store's identity counts every collate group this process formed at the address, not one
+    loader's: a second loader on the default port (an evaluation loader, a second train()) is told
+    apart from a first one whose rank 0 still serves it (each loader counting from 1 was not)."""
+    from odb_torch import ODBDataLoader, pad_collate
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    data = [{"input_ids": torch.arange(1 + i % 5)} for i in range(16)]
+    starts = []
+    for _ in range(2):
+        loader = ODBDataLoader(data, token_budget=16, collate_fn=pad_collate, num_workers=0, rank=0, world_size=1,
+                               timeout=30, init_method=address)
+        with loader:
+            assert sum(len(loader.step_info.indices) for _ in loader) == 16
+            starts.append(loader._spec.start)
+    assert starts[1] == starts[0] + 1, starts
+
+
+def test_a_stop_behind_a_start_epoch_is_seen():
+    """Under skip_idle the trainer may send the next epoch's StartEpoch while this rank's rounds
+    still run, then close (Stop): the check reads both, so the Stop is heeded now and the epoch is
+    never started (a check that kept only the first command missed the Stop behind it)."""
+    import queue as queue_
+
+    from odb_torch.messages import StartEpoch, Stop
+
+    ctrl: queue_.Queue[Any] = queue_.Queue()
+    server = collate_process.CollateServer(_spec(0, free_port()), sampler=None, ctrl=ctrl, out=queue_.Queue())
+    assert not server._stop_sent()
+    ctrl.put(StartEpoch(1, (), 0, 1))
+    ctrl.put(Stop())
+    assert server._stop_sent()
+    assert server._next_command() is None
+    server2 = collate_process.CollateServer(_spec(0, free_port()), sampler=None, ctrl=ctrl, out=queue_.Queue())
+    ctrl.put(StartEpoch(2, (), 0, 2))
+    assert not server2._stop_sent()
+    assert server2._next_command() == StartEpoch(2, (), 0, 2)  # a command read by the check is kept

@@ -296,3 +296,49 @@ def test_sft_trainer_keeps_an_explicit_collate_fn(tmp_path):
 
 if __name__ == "__main__":
     worker(*sys.argv[1:3])
+
+
+def _epoch_size_rank(rank: int, port: int, out: str) -> None:
+    """One rank of a W=2 Gloo group asking for the epoch's size, rank 1 with a shared tail."""
+    import json as json_
+
+    import torch.distributed as dist_
+    from torch_support import ToyDataset, init_gloo
+
+    from odb_core.errors import ConfigMismatchError
+    from odb_torch import ODBDataLoader, pad_collate
+    from odb_torch.integrations.hf import global_epoch_samples
+    from odb_torch.windows import AccumulationWindows
+
+    init_gloo(rank, 2, port)
+    loader = ODBDataLoader(ToyDataset(40), token_budget=256, collate_fn=pad_collate, num_workers=0, rank=rank,
+                           world_size=2, init_method="tcp://127.0.0.1:1", shared_tail=0.3 if rank else 0.0)
+    try:
+        outcome = f"size {global_epoch_samples(AccumulationWindows(loader, 1), 'cpu')}"
+    except ConfigMismatchError as exc:
+        outcome = f"ConfigMismatchError {exc.field}"
+    Path(out, f"rank{rank}.json").write_text(json_.dumps(outcome))
+    dist_.destroy_process_group()
+
+
+def test_ranks_that_disagree_on_the_shared_tail_get_a_typed_error_not_a_hang(tmp_path):
+    """The epoch's size is all-reduced by every rank, whatever its settings: a rank with a shared
+    tail skipped the collective before, leaving the others waiting in it (under NCCL, until its
+    timeout); now both ranks raise ConfigMismatchError naming shared_tail."""
+    import multiprocessing
+
+    from odb_torch.ports import free_port
+
+    port, ctx = free_port(), multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_epoch_size_rank, args=(r, port, str(tmp_path))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    outcomes = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert outcomes == ["ConfigMismatchError shared_tail"] * 2, outcomes

@@ -38,7 +38,7 @@ from transformers import Trainer, TrainerCallback, get_scheduler
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from odb_core.errors import UnsupportedSettingError
+from odb_core.errors import ConfigMismatchError, UnsupportedSettingError
 from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import causal_lm_loss_sum, check_loss_tokens, logits_of, shifted_loss_tokens
 from odb_torch.padding_free import VARLEN_KEYS, adapter_defaults, budget_of, check_packed_attention
@@ -236,14 +236,24 @@ def check_arguments(who: str, args: Any, warmup_samples: int | None, odb_kwargs:
 def global_epoch_samples(windows: AccumulationWindows, device: Any) -> int:
     """Samples of one epoch over every rank, the same on every rank: join mode yields every view of
     every rank once, so the sum of the ranks' sampler lengths (all-reduced: a custom sampler's
-    shares may differ in length), or the shared tail's count (:meth:`AccumulationWindows.samples_per_epoch`)."""
+    shares may differ in length), or with a shared tail its count (:meth:`AccumulationWindows.samples_per_epoch`).
+    Every rank of a default group as wide as the loader's world joins the all-reduce, whatever
+    its settings: ranks that disagree on ``shared_tail`` get :class:`ConfigMismatchError` (one
+    skipping the collective would leave the others waiting in it)."""
     loader = windows.loader
-    if loader.config.shared_tail or loader.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+    if loader.world_size == 1 or not (dist.is_available() and dist.is_initialized()) or (
+            dist.get_world_size() != loader.world_size):
         return windows.samples_per_epoch()
     on = "cpu" if "gloo" in str(dist.get_backend()) else device
-    total = torch.tensor([len(cast(Any, loader.sampler))], dtype=torch.int64, device=on)
+    pooled = 1 if loader.config.shared_tail else 0
+    total = torch.tensor([len(cast(Any, loader.sampler)), pooled], dtype=torch.int64, device=on)
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return int(total.item())
+    agreeing = int(total[1].item())
+    if agreeing not in (0, loader.world_size):
+        raise ConfigMismatchError(f"rank {loader.rank}: {agreeing} of {loader.world_size} ranks have a shared_tail; "
+                                  "every rank must build its loader with the same shared_tail", rank=loader.rank,
+                                  field="shared_tail")
+    return windows.samples_per_epoch() if pooled else int(total[0].item())
 
 
 class ODBTrainer(Trainer):
