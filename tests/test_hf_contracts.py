@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("transformers", reason="the hf extra is not installed")
 
 import torch  # noqa: E402
+from torch_support import ShardSampler  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments  # noqa: E402
 
 from odb_core.errors import UnsupportedSettingError  # noqa: E402
@@ -74,22 +75,6 @@ class Watch(TrainerCallback):  # type: ignore[misc]
         return control
 
 
-class UnevenSampler:
-    """Rank r's share: indices r, r+W, ... (no padding, so shares differ in length when W does not divide n)."""
-
-    def __init__(self, n: int, rank: int, world: int) -> None:
-        self.indices = list(range(rank, n, world))
-
-    def __iter__(self) -> Any:
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def set_epoch(self, epoch: int) -> None:
-        pass
-
-
 def build(out: Path | str, n: int = N, odb: dict[str, Any] | None = None, stop_at: int = 0,
           **args: Any) -> tuple[Recorder, Watch]:
     trainer = Recorder(model=tiny(), args=make_args(out, **args), train_dataset=TokenDataset(n), token_budget=256,
@@ -114,7 +99,7 @@ def worker(out: str, scenario: str) -> None:
     every 3 updates), ``elastic`` (W=2, resumes the W=1 checkpoint in OUT/run, 2 epochs)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if scenario == "uneven":
-        trainer, watch = build(Path(out) / "run", odb={"sampler": UnevenSampler(N, rank, world)},
+        trainer, watch = build(Path(out) / "run", odb={"sampler": ShardSampler(list(range(rank, N, world)))},
                                save_strategy="steps", save_steps=3, save_only_model=True)
         result = trainer.train()
     else:
