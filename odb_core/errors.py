@@ -80,6 +80,12 @@ class LoaderStateError(ODBError, RuntimeError):
     on an iterator superseded by a newer ``iter(loader)`` (one live iterator per loader)."""
 
 
+class PinMemoryError(ODBError, RuntimeError):
+    """Page-locking a batch in the trainer failed (``pin_memory=True``: page-locked memory
+    exhausted, a driver error); names the rank and the batch's dataset indices. The batch was not
+    yielded, and the loader's position is before it (a resume serves it again)."""
+
+
 class CollateProcessError(ODBError):
     """A rank's collate process died or could not start; names the rank and exit code."""
 

@@ -21,7 +21,14 @@ from odb_core import ODBConfig
 from odb_core.config import BudgetName, LossScaling, Mode, TargetPolicyName
 from odb_core.elastic import check_own_state, check_resumed_epoch, deals_views, tail_resume
 from odb_core.epoch import EpochDriver
-from odb_core.errors import CollateProcessError, LoaderStateError, PeerError, ResumeStateError, UnsupportedSettingError
+from odb_core.errors import (
+    CollateProcessError,
+    LoaderStateError,
+    PeerError,
+    PinMemoryError,
+    ResumeStateError,
+    UnsupportedSettingError,
+)
 from odb_core.sampler import pool_size
 from odb_core.tail import TailPosition
 from odb_torch.collate_process import STACK_SIGNAL, CollateSpec, collate_main, file_system_sharing, release_payload
@@ -508,7 +515,7 @@ class ODBDataLoader:
                 self._fail(item.error)
             assert isinstance(item, Batch), f"unexpected message {item!r}"
             skipped = item.info.is_idle and self.skip_idle
-            batch = pin_batch(item.batch) if self.pin_memory and not skipped else item.batch  # before any state
+            batch = self._pinned(item) if self.pin_memory and not skipped else item.batch  # before any state
             self._consumed.extend(item.positions)
             if item.tail is not None:  # a pooled epoch: the pool's position after this step's round
                 self._tail = TailPosition(item.tail[0], self._tail.claimed + item.tail[1])
@@ -527,6 +534,17 @@ class ODBDataLoader:
             if self._generation != generation:
                 raise LoaderStateError(f"rank {self.rank}: next() on a stale loader iterator: {self._stale_reason}; "
                                        "start a new `for batch in loader` loop", rank=self.rank)
+
+    def _pinned(self, item: Batch) -> Any:
+        """``item``'s batch page-locked; a failure is :class:`PinMemoryError` naming the rank and
+        the batch's indices (torch raises an untyped RuntimeError), raised before anything of the
+        batch is counted as consumed."""
+        try:
+            return pin_batch(item.batch)
+        except RuntimeError as exc:
+            raise PinMemoryError(f"rank {self.rank}: page-locking the batch of dataset indices {list(item.info.indices)} "
+                                 f"failed ({type(exc).__name__}: {exc}); pass pin_memory=False, or leave page-locked "
+                                 "memory free", rank=self.rank, indices=item.info.indices) from exc
 
     def _receive(self) -> Reply:
         """The collate process's next message; a typed error if it died or stayed silent."""

@@ -176,3 +176,35 @@ def test_with_an_accelerator_every_tensor_of_every_batch_is_pinned_and_container
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     assert rows and all(r == [True, True, "OrderedDict", "Pair"] for r in rows), rows
+
+
+def test_a_pinning_failure_is_a_typed_error_naming_the_batch_and_loses_nothing(monkeypatch):
+    """Page-locking fails in the trainer (torch raises an untyped RuntimeError: page-locked memory
+    exhausted, a driver error): PinMemoryError naming the rank and the batch's indices; the batch
+    is not counted as consumed, so the position a checkpoint takes serves it again."""
+    import torch
+
+    import odb_torch.loader as loader_module
+    from odb_core.errors import PinMemoryError
+    from odb_torch import ODBDataLoader, pad_collate
+
+    calls = []
+
+    def failing_pin(batch: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: out of memory (page-locked)")
+        return batch
+
+    monkeypatch.setattr(loader_module, "pin_batch", failing_pin)
+    data = [{"input_ids": torch.arange(1 + i % 7)} for i in range(64)]
+    with ODBDataLoader(data, token_budget=16, collate_fn=pad_collate, num_workers=0, rank=0, world_size=1,
+                       timeout=30) as loader:
+        loader.pin_memory = True  # as where an accelerator is available
+        seen: list[int] = []
+        with pytest.raises(PinMemoryError) as err:
+            for _ in loader:
+                seen.extend(loader.step_info.indices)
+        assert err.value.rank == 0 and err.value.indices and not set(err.value.indices) & set(seen)
+        state = loader.state_dict()
+        assert state["steps"] == 1 and len(state["consumed"]) == len(seen), state
