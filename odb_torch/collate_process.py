@@ -139,8 +139,9 @@ class CollateSpec:
     skip_idle: bool = False
     driver_cls: type[EpochDriver] = EpochDriver
     start: int = 0
-    """Which start of its loader this process is (1, 2, ...: a break mid-epoch, a mid-epoch
-    ``load_state_dict`` or ``close()`` restarts it), the same on every rank: the store's identity."""
+    """Which collate group this process's trainer forms at ``init_method`` (1, 2, ...: every
+    loader's starts there, restarts after a break, a mid-epoch ``load_state_dict`` or ``close()``
+    included), the same on every rank: the store's identity (:func:`_join_store`)."""
 
 
 class _ParentGone(Exception):

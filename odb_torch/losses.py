@@ -40,10 +40,13 @@ def shifted_loss_tokens(sample: Mapping[str, Any]) -> int:
     labels = sample.get("labels")
     if labels is None:
         return max(len(sample["input_ids"]) - 1, 0)
-    shifted = torch.as_tensor(labels)[1:]
-    if not shifted.dtype.is_signed:  # unsigned labels compare as the collates cast them (uint8 wraps -100 to 156)
-        shifted = shifted.to(torch.int64)
-    return int((shifted != IGNORE_INDEX).sum())
+    return int((signed_labels(torch.as_tensor(labels)[1:]) != IGNORE_INDEX).sum())
+
+
+def signed_labels(labels: torch.Tensor) -> torch.Tensor:
+    """``labels`` as int64 if their dtype is unsigned, else as they are: compared with -100 as the
+    collates cast them (in ``uint8``, -100 wraps to 156, a real label)."""
+    return labels if labels.dtype.is_signed else labels.to(torch.int64)
 
 
 def logits_of(outputs: Any) -> torch.Tensor:

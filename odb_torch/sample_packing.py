@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import Dataset
 
 from odb_core.errors import InvalidSampleError, ODBError, SampleLoadError
+from odb_torch.losses import signed_labels
 
 INLINE_BYTES = 4 << 20
 """Chunks whose tensors total at most this many bytes travel by value through the pipe."""
@@ -187,14 +188,9 @@ def default_loss_tokens(sample: Any, length: int) -> int:
     if isinstance(sample, dict) and "labels" in sample:
         labels = sample["labels"]
         if isinstance(labels, torch.Tensor):
-            return int(_signed(labels).ne(-100).sum())
+            return int(signed_labels(labels).ne(-100).sum())
         return sum(1 for x in labels if x != -100)
     return length
-
-
-def _signed(labels: torch.Tensor) -> torch.Tensor:
-    """``labels`` as int64 if their dtype is unsigned (``uint8(156) == -100`` wraps), else as they are."""
-    return labels if labels.dtype.is_signed else labels.to(torch.int64)
 
 
 def _countable_labels(sample: Any) -> torch.Tensor | None:
@@ -231,7 +227,7 @@ def _label_counts(samples: list[Any]) -> list[int | None]:
         bounds = [0]
         for _, row in rows:
             bounds.append(bounds[-1] + row.shape[0])
-        kept = torch.cat([torch.zeros(1, dtype=torch.int64), _signed(torch.cat([r for _, r in rows])).ne(-100).cumsum(0)])
+        kept = torch.cat([torch.zeros(1, dtype=torch.int64), signed_labels(torch.cat([r for _, r in rows])).ne(-100).cumsum(0)])
         at = kept[torch.tensor(bounds)].tolist()
         for j, (k, _) in enumerate(rows):
             counts[k] = at[j + 1] - at[j]

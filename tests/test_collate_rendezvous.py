@@ -11,12 +11,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch_support import leftover_processes
 
 import odb_torch.collate_process as collate_process
 from odb_core import ODBConfig
 from odb_torch.ports import await_listener, free_port
+
+pytestmark = pytest.mark.timeout(120)
 
 
 def _spec(rank: int, port: int) -> collate_process.CollateSpec:
