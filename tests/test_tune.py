@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from odb_tools.tune.measure import Measurement
@@ -52,16 +52,28 @@ def test_seeded_bugs_report_a_budget_the_property_rejects(checked, bug):
     assert checked[bug]["objections"] != [], checked[bug]
 
 
-def _misses_worst(select, token_budget: int, cutoff: int, a: float, b: float) -> bool:
-    """Whether ``select``'s shapes miss the padded frontier's worst under memory a x tokens + b x tokens x length."""
+def _misses_worst(select, token_budget: int, cutoff: int, a: float, b: float, slack: float = 0.0) -> bool:
+    """Whether ``select``'s shapes miss the padded frontier's worst under memory a x tokens + b x tokens x
+    length by more than the fraction ``slack`` of it."""
     def cost(s: Shape) -> float:
         return a * s.tokens + b * s.tokens * s.length
-    return max(map(cost, select("padded", token_budget, cutoff))) < max(map(cost, padded_frontier(token_budget, cutoff)))
+    worst = max(map(cost, padded_frontier(token_budget, cutoff)))
+    return max(map(cost, select("padded", token_budget, cutoff))) < worst * (1 - slack)
+
+
+def _uncapped(budget: str, token_budget: int, cutoff: int) -> list[Shape]:
+    return worst_shapes(budget, token_budget, cutoff, max_shapes=64)  # over the hull's size up to L_max 3000 (11)
 
 
 @given(st.integers(1, 3000), st.integers(1, 3000), st.floats(0, 1), st.floats(0, 1))
+@example(2239, 118, 0.0, 1.0)  # the Pareto set cut to 8 shapes missed [19, 117] by 3.6% here
 def test_the_measured_padded_shapes_hold_the_worst_of_the_frontier(token_budget, cutoff, a, b):
-    assert not _misses_worst(worst_shapes, token_budget, cutoff, a, b)
+    """The hull's vertices hold the exact worst of any memory a x tokens + b x tokens x length; the
+    default 8 shapes, when the hull has more vertices, hold it within 0.1% (0.04% at worst measured
+    over 3,000 random budgets; the Pareto set cut to 8 shapes missed [19, 117] of L_max 2239 at
+    cut-off 118 by 3.6%, which hypothesis found)."""
+    assert not _misses_worst(_uncapped, token_budget, cutoff, a, b)
+    assert not _misses_worst(worst_shapes, token_budget, cutoff, a, b, slack=1e-3)
     # the frontier covers every admitted group: each [size, l] (l <= cut-off, size x l <= L_max or size 1) fits inside one
     frontier = padded_frontier(token_budget, cutoff)
     for n in range(1, min(cutoff, token_budget) + 1, max(1, min(cutoff, token_budget) // 50)):
@@ -70,8 +82,9 @@ def test_the_measured_padded_shapes_hold_the_worst_of_the_frontier(token_budget,
 
 
 def test_a_selection_of_the_longest_group_only_misses_the_worst():
-    longest_only = lambda *args: worst_shapes(*args)[:1]  # noqa: E731 - seeded bug
+    longest_only = lambda budget, token_budget, cutoff: [padded_frontier(token_budget, cutoff)[0]]  # noqa: E731
     assert _misses_worst(longest_only, 100, 60, 1.0, 0.0)  # [1, 60]: 60 tokens, [2, 50]: 100
+    assert _misses_worst(longest_only, 100, 60, 1.0, 0.0, slack=1e-3)
 
 
 @settings(max_examples=40)

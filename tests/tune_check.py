@@ -29,7 +29,7 @@ from odb_tools.cli import main
 from odb_tools.tune import tune
 from odb_tools.tune.measure import warm_up
 from odb_tools.tune.model import call_loss
-from odb_tools.tune.shapes import Shape
+from odb_tools.tune.shapes import Shape, padded_frontier
 
 CUTOFF, STEP, START = 400, 64, 512
 HEADROOM = 32 * 2**20  # over the process's RSS once the model is built and warmed up
@@ -112,7 +112,8 @@ def run_seeded(model: torch.nn.Module, limit: int, bug: str) -> int | None:
         if bug == "no_backward":
             measure_mod.train_step = _forward_only_step
         else:
-            search_mod.worst_shapes = lambda *a, **k: saved_shapes(*a, **k)[:1]
+            search_mod.worst_shapes = lambda budget, token_budget, cutoff, max_shapes=None: [
+                padded_frontier(token_budget, cutoff)[0]]  # the longest-l group alone
         return tune(model, limit, CUTOFF, step=STEP, start=START, optimizer="none", max_shapes=3)["token_budget"]
     finally:
         measure_mod.train_step, search_mod.worst_shapes = saved_step, saved_shapes

@@ -70,10 +70,12 @@ def padded_frontier(token_budget: int, cutoff: int) -> list[Shape]:
 def worst_shapes(budget: str, token_budget: int, cutoff: int, max_shapes: int | None = 8) -> list[Shape]:
     """The shapes to measure for ``token_budget``, likely worst first: the lone sample at the
     cut-off when it exceeds L_max; then the packed row, or of the padded frontier (all of it
-    when ``max_shapes`` is None) the shapes no other beats on both tokens and tokens x length,
-    then its most rows ([L_max, 1]). A memory of the form a x tokens + b x tokens x length + c
-    (a, b >= 0: activations and logits, attention scores) peaks on one of the former; a cost
-    per row, on the latter. Past ``max_shapes`` the longest-l and most-token ones are kept."""
+    when ``max_shapes`` is None) the vertices of its upper convex hull in (tokens, tokens x
+    length) from the most tokens x length to the most tokens, then its most rows ([L_max, 1]).
+    A memory of the form a x tokens + b x tokens x length + c (a, b >= 0: activations and
+    logits, attention scores) peaks on a hull vertex; a cost per row, on the last shape. Past
+    ``max_shapes`` the hull's two ends and vertices evenly spaced between them are kept: the
+    worst is then approximated (:func:`_hull`)."""
     if budget not in BUDGETS:
         raise ValueError(f"unknown budget {budget!r} (one of {', '.join(BUDGETS)})")
     if token_budget < 1 or cutoff < 1:
@@ -84,13 +86,29 @@ def worst_shapes(budget: str, token_budget: int, cutoff: int, max_shapes: int | 
     frontier = padded_frontier(token_budget, cutoff)
     if max_shapes is None:
         return out + frontier
-    best = 0  # frontier runs from the longest l down: a shape is kept when it has more tokens than every longer one
-    kept = []
-    for shape in frontier:
-        if shape.tokens > best:
-            kept.append(shape)
-            best = shape.tokens
-    if len(kept) > max(max_shapes - 1, 1):
-        kept = [kept[0], *kept[len(kept) - max(max_shapes - 2, 0):]] if max_shapes > 2 else kept[:1]
+    kept = _hull(frontier)
+    room = max(max_shapes - 1, 1)
+    if len(kept) > room:
+        last = len(kept) - 1
+        kept = [kept[round(k * last / (room - 1))] for k in range(room)] if room > 1 else kept[:1]
     rows = [frontier[-1]] if frontier[-1] not in kept else []
     return out + kept + rows
+
+
+def _hull(frontier: list[Shape]) -> list[Shape]:
+    """The upper convex hull of ``frontier`` in (tokens, tokens x length), from its most tokens x
+    length to its most tokens: the shapes on which some a x tokens + b x tokens x length (a, b >= 0)
+    is largest."""
+    def point(s: Shape) -> tuple[int, int]:
+        return s.tokens, s.tokens * s.length
+
+    up: list[Shape] = []
+    for shape in sorted(frontier, key=point):
+        while len(up) >= 2:
+            (x1, y1), (x2, y2), (x3, y3) = point(up[-2]), point(up[-1]), point(shape)
+            if (x2 - x1) * (y3 - y1) - (y2 - y1) * (x3 - x1) < 0:
+                break
+            up.pop()
+        up.append(shape)
+    top = max(range(len(up)), key=lambda k: (point(up[k])[1], point(up[k])[0]))
+    return up[top:]
