@@ -43,6 +43,7 @@ from odb_core.epoch import Delivery, EpochDriver, LoopEnd
 from odb_core.errors import (
     CollateFnError,
     CollateProcessError,
+    ConfigMismatchError,
     DescriptorLimitError,
     InvalidSampleError,
     PeerError,
@@ -186,7 +187,9 @@ def _join_store(spec: CollateSpec, host: str, port: int, deadline: float) -> Any
     port (its trainer has not reached its restart yet, a skew of milliseconds): its store is
     left, and joined again once this start's serves, until ``deadline`` (then ``TimeoutError``
     naming the address and both starts: another ODB loader on the same port, or ranks that
-    restarted their loaders a different number of times)."""
+    restarted their loaders a different number of times). A store of a later start than this
+    rank's is that mismatch for certain (rank 0's trainer started more collate groups than this rank's): a
+    ``ConfigMismatchError`` (``field="start"``) at once, not a wait for the deadline."""
     found = "none (no store answered)"
     while True:
         await_listener(host, port, max(deadline - time.monotonic(), 0.0))
@@ -198,11 +201,18 @@ def _join_store(spec: CollateSpec, host: str, port: int, deadline: float) -> Any
         if store is not None and found == str(spec.start):
             return store
         del store
+        if found.isdigit() and int(found) > spec.start:  # rank 0 is at a later start than this rank
+            raise ConfigMismatchError(_starts_differ(host, port, found, spec.start), rank=spec.rank, field="start",
+                                      ranks=(0,))
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"the store at {host}:{port} serves start {found} of a loader, this rank's loader is "
-                               f"at start {spec.start}: another ODB loader uses this port (give each its own "
-                               "init_method), or the ranks restarted their loaders a different number of times")
+            raise TimeoutError(_starts_differ(host, port, found, spec.start))
         time.sleep(0.05)  # rank 0's previous start is still closing
+
+
+def _starts_differ(host: str, port: int, found: str, start: int) -> str:
+    return (f"the store at {host}:{port} serves start {found} of a loader, this rank's loader is at start {start}: "
+            "another ODB loader uses this port (give each its own init_method), or the ranks created or restarted "
+            "their loaders a different number of times")
 
 
 def sampler_facts(sampler: Any, dataset: Any) -> dict[str, object]:
@@ -258,7 +268,8 @@ class CollateServer:
             in_use = "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower()
             hint = ("; another process or ODB loader serves this port: give each loader its own init_method (or "
                     "ODB_COLLATE_PORT)") if in_use else ""
-            self.out.put(encode(Failure(self._as_error(exc) if worker_death(exc) else PeerError(
+            self.out.put(encode(Failure(self._as_error(exc) if worker_death(exc) else exc if isinstance(
+                exc, ConfigMismatchError) else PeerError(
                 f"rank {spec.rank}: collate group rendezvous at {spec.init_method} failed: {type(exc).__name__}: "
                 f"{exc}{hint}", rank=spec.rank))))
             return

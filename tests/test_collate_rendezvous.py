@@ -127,15 +127,39 @@ def test_a_rank_leaves_the_previous_starts_store_and_joins_its_own(monkeypatch):
         assert [int(t) for t in outs[0]] == [20, 21]
 
 
-def test_a_store_of_another_start_is_a_timeout_naming_both_starts():
+def test_a_store_of_an_earlier_start_is_a_timeout_naming_both_starts():
+    """Rank 0 at an earlier start may be closing it (a skew of milliseconds), so rank 1 waits for
+    its own start until the deadline, then names the address and both starts."""
     port = free_port()
-    old, stop = _serving(port, "3")
+    old, stop = _serving(port, "1")
     spec = _spec(1, port)
-    spec.start, spec.timeout = 1, 2
+    spec.start, spec.timeout = 3, 2
     try:
         collate_process._collate_group(spec)
         raise AssertionError("rank 1 joined the store of another start")
     except TimeoutError as exc:
+        assert f"127.0.0.1:{port}" in str(exc) and "start 1" in str(exc) and "start 3" in str(exc), exc
+    finally:
+        stop.set()
+        old.join(30)
+
+
+def test_a_store_of_a_later_start_is_a_config_mismatch_at_once():
+    """Rank 0 at a later start than rank 1 can only mean the ranks created or restarted their
+    loaders a different number of times: rank 1 says so at once (its deadline here is 600 s,
+    past this file's 120 s test timeout), typed, naming the field and rank 0. It used to wait
+    for the deadline (300 s by default) and raise a TimeoutError."""
+    from odb_core.errors import ConfigMismatchError
+
+    port = free_port()
+    old, stop = _serving(port, "3")
+    spec = _spec(1, port)
+    spec.start, spec.timeout = 1, 600
+    try:
+        with pytest.raises(ConfigMismatchError) as caught:
+            collate_process._collate_group(spec)
+        exc = caught.value
+        assert (exc.field, exc.ranks, exc.rank) == ("start", (0,), 1)
         assert f"127.0.0.1:{port}" in str(exc) and "start 3" in str(exc) and "start 1" in str(exc), exc
     finally:
         stop.set()
