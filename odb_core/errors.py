@@ -144,7 +144,13 @@ class PackedAttentionCostWarning(ODBWarning):
 
 class CheckpointStateError(ODBError, ValueError):
     """A checkpoint lacks ODB's loader state for this rank, or holds one that does not fit
-    this run (rank, world size, seed, accumulation steps); names the file."""
+    this run (rank, world size, seed, accumulation steps); names the file. ``ranks``: the
+    ranks whose state could not be loaded, when known (a peer's, as this rank learns it)."""
+
+    def __init__(self, message: str = "", *, rank: int | None = None, indices: Sequence[int] = (),
+                 ranks: Sequence[int] = ()) -> None:
+        super().__init__(message, rank=rank, indices=indices)
+        self.ranks = tuple(ranks)
 
 
 class UnsupportedSettingError(ODBError, ValueError):

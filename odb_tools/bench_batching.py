@@ -126,7 +126,7 @@ def lhotse_groups(lengths: Sequence[int], budget: int, seed: int = 0) -> tuple[l
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             sampler = DynamicBucketingSampler(cuts, max_duration=float(budget), shuffle=True, seed=seed,
-                                              num_buckets=30, world_size=1, rank=0)
+                                              num_buckets=min(30, len(cuts)), world_size=1, rank=0)
             return [[int(c.id) for c in batch] for batch in sampler]
 
     return _timed(run, repeats=1)

@@ -309,6 +309,14 @@ def _profile(args: argparse.Namespace) -> int:
 
     if (args.step_fixed is None) != (args.step_per_token is None):
         raise ValueError("give both --step-fixed and --step-per-token, or neither")
+    if args.step_fixed is not None:
+        import math
+
+        for name, value in (("--step-fixed", args.step_fixed), ("--step-per-token", args.step_per_token)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")
+        if args.step_fixed == 0 and args.step_per_token == 0:
+            raise ValueError("--step-fixed and --step-per-token are both 0: a step would take no time")
     if args.chat:
         from odb_tools.demo.chat_data import ChatDataset
 
@@ -370,6 +378,9 @@ def _tune(args: argparse.Namespace) -> int:
         sys.path.insert(0, os.getcwd())  # --model mymodule:build from the current directory, as python -m finds it
     try:
         limit = parse_bytes(args.memory)
+    except ValueError as exc:
+        raise ValueError(f"--memory {args.memory!r}: {exc}") from None
+    try:
         model = build_model(args.model, parse_overrides(args.set)).to(device=device, dtype=getattr(torch, args.dtype))
     except ValueError as exc:
         raise ValueError(f"{exc}") from None

@@ -57,9 +57,9 @@ def profile(lengths: Sequence[int], budgets: Sequence[int] = DEFAULT_BUDGETS, bu
         fixed_steps = -(-len(lengths) // bs)
         row: dict[str, Any] = {
             "token_budget": budget, "short_fraction": sum(1 for x in lengths if x <= short_fraction * budget) / len(lengths),
-            "odb_padding": 1 - real / max(odb_padded, 1), "odb_samples_per_update": len(lengths) / groups,
+            "odb_padding": 1 - real / odb_padded if odb_padded else 0.0, "odb_samples_per_update": len(lengths) / groups,
             "odb_packing_efficiency": within_real / (within * budget) if within else 0.0,
-            "fixed_batch_size": bs, "fixed_padding": 1 - real / max(fixed_padded, 1),
+            "fixed_batch_size": bs, "fixed_padding": 1 - real / fixed_padded if fixed_padded else 0.0,
             "fixed_samples_per_update": len(lengths) / fixed_steps,
         }
         if step_fixed is not None and step_per_token is not None:
@@ -70,7 +70,8 @@ def profile(lengths: Sequence[int], budgets: Sequence[int] = DEFAULT_BUDGETS, bu
             row["predicted_speedup"] = fixed_time / odb_time
         rows.append(row)
     good = [r for r in rows if r["odb_padding"] <= 0.02 and r["odb_samples_per_update"] >= 2 * r["fixed_samples_per_update"]]
-    suggested = good[0] if good else max(rows, key=lambda r: r["odb_samples_per_update"])
+    suggested = (min(good, key=lambda r: r["token_budget"]) if good
+                 else max(rows, key=lambda r: r["odb_samples_per_update"]))
     return {"samples": len(lengths), "mean_length": mean, "max_length": max(lengths), "cv": cv,
             "buffer_size": buffer_size, "budget": budget_kind, "budgets": rows,
             "suggested_token_budget": suggested["token_budget"]}
@@ -109,8 +110,16 @@ def jsonl_lengths(path: str, max_length: int | None = None) -> list[int]:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            obj = json.loads(line)
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not JSON: {exc.msg} (column {exc.colno})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{n}: a line is a JSON object, this one a {type(obj).__name__}")
             if isinstance(obj.get("messages"), list):
+                if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                           for m in obj["messages"]):
+                    raise ValueError(f"{path}:{n}: every message needs a 'role' and a 'content' string")
                 text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in obj["messages"])
             elif isinstance(obj.get("text"), str):
                 text = obj["text"]

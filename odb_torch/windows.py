@@ -53,7 +53,12 @@ class AccumulationWindows:
     handed to a trainer that calls ``iter()`` once per epoch. ``pad_last_window`` fills
     the epoch's last window with zero-weight repeats so every window has exactly K
     micro-batches (trainers that count micro-batches to decide when to step need this);
-    without it the last window is shorter, on every rank alike.
+    without it the last window is shorter, on every rank alike. ``keep_phase``: for a trainer
+    that restores its own count of micro-batches on resume and steps where that count says
+    (Lightning): a state taken inside a window hands its micro-batches back (their gradients
+    were lost), and the first window after the resume holds the K - h micro-batches the
+    trainer still counts to its step (h handed back), so later windows end where it steps,
+    each weighted exactly over its own tokens (P7).
 
     :meth:`state_dict` (at the start of the current window), restored with :meth:`load_state_dict` before
     the next ``iter()``, resumes mid-epoch with nothing emitted twice and nothing lost (P4),
@@ -61,7 +66,8 @@ class AccumulationWindows:
     ``updates``, ``epochs_completed``) count real samples and loss tokens of every rank.
     """
 
-    def __init__(self, loader: ODBDataLoader, accumulation_steps: int = 1, pad_last_window: bool = True) -> None:
+    def __init__(self, loader: ODBDataLoader, accumulation_steps: int = 1, pad_last_window: bool = True,
+                 keep_phase: bool = False) -> None:
         if not 1 <= accumulation_steps <= 63:
             raise ValueError(f"accumulation_steps must be in 1..63 (the loader hands back at most 64 read-ahead "
                              f"batches), got {accumulation_steps}")
@@ -73,6 +79,8 @@ class AccumulationWindows:
         self.loader = loader
         self.accumulation_steps = accumulation_steps
         self.pad_last_window = pad_last_window
+        self.keep_phase = keep_phase
+        self._first_window = 0  # after a keep_phase resume inside a window: the first window's size
         self.epoch = 0
         self.epochs_completed = 0
         self.samples_seen = 0
@@ -111,6 +119,7 @@ class AccumulationWindows:
         else:
             loader.set_epoch(self.epoch)
         self._resume = None
+        first, self._first_window = self._first_window, 0
         self.at_epoch_end = False
         self._before.clear()
         self._pulled = 0
@@ -131,8 +140,9 @@ class AccumulationWindows:
             return
         k = self.accumulation_steps
         while nxt is not None:
+            size, first = first or k, 0
             window: list[tuple[Any, StepInfo]] = []
-            while nxt is not None and len(window) < k:
+            while nxt is not None and len(window) < size:
                 window.append(nxt)
                 nxt = pull()
             self._read_ahead = len(window) + (nxt is not None)
@@ -140,9 +150,9 @@ class AccumulationWindows:
             scale = self.world_size / tokens if tokens else 0.0
             items = [MicroBatch(batch, info, 0.0 if info.is_idle else scale, tokens, False, False)
                      for batch, info in window]
-            if nxt is None and self.pad_last_window and len(items) < k:
+            if nxt is None and self.pad_last_window and len(items) < size:
                 last = items[-1]
-                items += [MicroBatch(last.batch, last.info, 0.0, tokens, True, False)] * (k - len(items))
+                items += [MicroBatch(last.batch, last.info, 0.0, tokens, True, False)] * (size - len(items))
             items[-1] = MicroBatch(items[-1].batch, items[-1].info, items[-1].loss_multiplier, tokens,
                                    items[-1].is_padding, True)
             self._window = [0, 0, 0]  # real micro-batches, samples and tokens handed out of this window
@@ -201,17 +211,22 @@ class AccumulationWindows:
         unconsumed = c["read_ahead"] + handed + self._pulled - c["pulled"]
         loader_state = None if c["at_epoch_end"] else self.loader.state_dict(unconsumed=unconsumed)
         if self._resume is not None:  # restored and not iterated since: hand the same state on
-            loader_state = self._resume.get("loader")
+            loader_state, handed = self._resume.get("loader"), int(self._resume.get("handed", 0))
         return {"version": 1, "epoch": c["epoch"], "epochs_completed": c["epochs_completed"],
                 "samples_seen": c["samples_seen"] - samples, "tokens_seen": c["tokens_seen"] - tokens,
                 "updates": c["updates"], "samples_in_epoch": c["samples_in_epoch"] - samples,
-                "accumulation_steps": self.accumulation_steps, "loader": loader_state}
+                "accumulation_steps": self.accumulation_steps, "loader": loader_state, "handed": handed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`; the next ``iter()`` continues that epoch."""
         if state.get("accumulation_steps") != self.accumulation_steps:
-            raise ValueError(f"state was taken with accumulation_steps={state.get('accumulation_steps')}, "
-                             f"these windows use {self.accumulation_steps}")
+            raise ResumeStateError(f"state was taken with accumulation_steps={state.get('accumulation_steps')}, "
+                                   f"these windows use {self.accumulation_steps}", field="accumulation_steps",
+                                   rank=self.loader.rank)
+        handed = state.get("handed", 0)
+        if not isinstance(handed, int) or not 0 <= handed < self.accumulation_steps:
+            raise ResumeStateError(f"state hands back {handed!r} micro-batches of its window: not in "
+                                   f"0..{self.accumulation_steps - 1}", field="handed", rank=self.loader.rank)
         self.epoch = int(state["epoch"])
         self.epochs_completed = int(state["epochs_completed"])
         self.samples_seen = int(state["samples_seen"])
@@ -224,6 +239,7 @@ class AccumulationWindows:
         self._read_ahead = 0
         self._before.clear()
         self._resume = dict(state)
+        self._first_window = self.accumulation_steps - handed if self.keep_phase and handed else 0
 
 
 def state_file(folder: str, rank: int) -> str:
@@ -248,7 +264,7 @@ def save_windows_state(windows: AccumulationWindows, folder: str) -> str:
 
 
 COUNTERS = ("epoch", "epochs_completed", "samples_seen", "tokens_seen", "updates", "samples_in_epoch",
-            "accumulation_steps")
+            "accumulation_steps", "handed")
 """Window state fields that count over every rank, hence equal in every rank's state."""
 
 
@@ -306,13 +322,23 @@ def _load_rank_state(windows: AccumulationWindows, folder: str) -> None:
     rank, world = windows.loader.rank, windows.loader.world_size
     found = {int(m.group(1)): p for p in glob.glob(os.path.join(glob.escape(folder), "odb_state_rank*.json"))
              if (m := re.search(r"odb_state_rank(\d+)\.json$", p))}
-    states = {r: _read(p) for r, p in sorted(found.items())}
+    states = {r: _read(p, rank, r) for r, p in sorted(found.items())}
     path = state_file(folder, rank)
-    if rank not in states and any(_world_of(s) == world for s in states.values()):  # this world's, one lost
+    with loading_state(folder, rank):
+        of_world = {r: _world_of(s) for r, s in states.items()}
+    if rank not in states and world in of_world.values():  # this world's, one lost
         missing = sorted(set(range(world)) - set(states))
         raise CheckpointStateError(f"rank {rank}: {path} is missing: checkpoint {folder} holds this world size's "
-                                   f"ODB states but none for ranks {missing}", rank=rank)
-    worlds = {_world_of(s) for s in states.values()} - {None, world}
+                                   f"ODB states but none for ranks {missing}", rank=rank, ranks=missing)
+    if all(of_world.get(r, -1) in (None, world) for r in range(world)):  # this world's whole set: any other
+        states = {r: states[r] for r in range(world)}  # file is left from an earlier run on more ranks
+        of_world = {r: of_world[r] for r in range(world)}
+    elif len({w for w in of_world.values() if w is not None}) > 1:
+        by_world = {w: [r for r, v in of_world.items() if v == w] for w in set(of_world.values()) - {None}}
+        raise CheckpointStateError(f"rank {rank}: checkpoint {folder} holds ODB states of several world sizes "
+                                   f"(ranks by world size: {by_world}), so of several runs: resume from a folder "
+                                   "holding one save's states", rank=rank)
+    worlds = set(of_world.values()) - {None, world}
     if worlds or (states and rank not in states and len(states) != world):
         with loading_state(f"{folder} (resuming {len(states)} ranks' states on {world})", rank):
             load_windows_states(windows, list(states.values()))
@@ -346,7 +372,8 @@ def agree_on_loading(error: BaseException | None, rank: int, where: str, world: 
     failed = [r for r, outcome in enumerate(outcomes) if outcome is not None]
     if failed:
         raise CheckpointStateError(f"rank {rank}: ranks {failed} could not load ODB's state from {where} (rank "
-                                   f"{failed[0]}: {outcomes[failed[0]]}); this rank stops too", rank=rank)
+                                   f"{failed[0]}: {outcomes[failed[0]]}); this rank stops too", rank=rank,
+                                   ranks=failed)
 
 
 @contextmanager
@@ -363,7 +390,17 @@ def loading_state(where: str, rank: int) -> Iterator[None]:
         raise CheckpointStateError(f"rank {rank}: {where}: {type(exc).__name__}: {exc}", rank=rank) from exc
 
 
-def _read(path: str) -> dict[str, Any]:
-    with open(path) as fh:
-        state: dict[str, Any] = json.load(fh)
+def _read(path: str, rank: int, of: int) -> dict[str, Any]:
+    """Rank ``of``'s window state at ``path``, read on ``rank``: a file that cannot be read, is not
+    JSON, or is not a window state (an object whose ``loader`` is an object or null) is a
+    :class:`CheckpointStateError` naming the file and ``of``."""
+    try:
+        with open(path) as fh:
+            state = json.load(fh)
+    except (OSError, ValueError) as exc:  # json's JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointStateError(f"rank {rank}: {path}, rank {of}'s ODB state, cannot be read: "
+                                   f"{type(exc).__name__}: {exc}", rank=rank, ranks=(of,)) from exc
+    if not isinstance(state, dict) or not isinstance(state.get("loader", {}), (dict, type(None))):
+        raise CheckpointStateError(f"rank {rank}: {path}, rank {of}'s ODB state, is not a window state (an object "
+                                   f"whose 'loader' is an object or null): {str(state)[:80]}", rank=rank, ranks=(of,))
     return state

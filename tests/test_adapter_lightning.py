@@ -84,3 +84,69 @@ def test_lightning_resume_when_the_batch_fetched_ahead_is_a_whole_window(accum, 
     assert len(ahead) == 1, f"the case: update {every} is one micro-batch of epoch 0, a whole window ({ahead})"
     before = trained([first["records"]], keep=lambda rec: rec["update"] < every)
     check_resume_exactly_once(before, trained([second["records"]]), N)
+
+
+def test_lightning_resume_from_a_checkpoint_taken_inside_a_window_keeps_lightnings_steps(tmp_path):
+    """``trainer.save_checkpoint`` after the 7th micro-batch (K=2: inside update 3's window), then
+    a resume from it. The state hands the window's first micro-batch back (its gradient was lost);
+    Lightning restores its own count and steps after one more micro-batch. The resumed windows
+    used to hold K from the handed-back one on, so each of Lightning's updates took the end of one
+    window and the start of the next, weighted by neither (P7) for the rest of the epoch."""
+    run_torchrun(WORKER, [str(tmp_path), "a", "6", "0", "padded", "2", "10", "7"], 1)
+    first = json.loads((tmp_path / "a_rank0.json").read_text())
+    run_torchrun(WORKER, [str(tmp_path), "b", "0", "1", "padded", "2", "10"], 1)
+    second = json.loads((tmp_path / "b_rank0.json").read_text())
+    assert second["ckpt"].endswith("mid.ckpt")
+    assert [rec["update"] for rec in first["records"][5:7]] == [2, 3], "the case: the 7th micro-batch opens update 3"
+    assert second["records"][0]["update"] == 3 and second["records"][1]["update"] == 4, (
+        "Lightning steps after the first micro-batch of the resume")
+    check_windows([second["records"]])
+    before = trained([first["records"]], keep=lambda rec: rec["update"] < 3)
+    check_resume_exactly_once(before, trained([second["records"]]), N)
+
+
+@pytest.mark.parametrize("limit", [4, 0.5])
+def test_a_limited_lightning_epoch_is_refused_naming_the_setting(limit, tmp_path):
+    """``Trainer(limit_train_batches=...)`` left every epoch early, and the next started the same
+    epoch again: the same first batches every epoch, the rest never trained, without a word."""
+    import lightning.pytorch as pl
+
+    from odb_core.errors import UnsupportedSettingError
+    from odb_torch.integrations.lightning import ODBLightningCallback
+
+    sys_path = str(Path(__file__).resolve().parents[1] / "docs" / "examples")
+    import sys
+
+    sys.path.insert(0, sys_path)
+    try:
+        import lightning_fit as guide
+    finally:
+        sys.path.remove(sys_path)
+    odb = ODBLightningCallback(TokenDataset(N), token_budget=BUDGET, num_workers=0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, limit_train_batches=limit, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         default_root_dir=str(tmp_path), callbacks=[odb])
+    with pytest.raises(UnsupportedSettingError) as err:
+        trainer.fit(guide.LitLM(odb, 2), train_dataloaders=odb.train_dataloader())
+    assert err.value.field == "limit_train_batches" and "max_steps" in str(err.value)
+
+
+def test_a_lightning_rank_whose_peer_cannot_load_its_state_stops_naming_that_rank(tmp_path):
+    """Rank 1's state in the checkpoint is of another seed: rank 1 refuses it (ResumeStateError,
+    field seed) and rank 0, whose state fits, used to fail on a Gloo 'Connection closed by peer'
+    once rank 1's process was gone (or wait for it, had it lived on); both ranks now agree on the
+    outcome first, and rank 0 raises CheckpointStateError naming rank 1."""
+    import torch
+
+    run_torchrun(WORKER, [str(tmp_path), "a", "6", "0", "padded"], 2)
+    path = tmp_path / "run" / "ckpt" / "epoch=0-step=4.ckpt"
+    ckpt = torch.load(path, weights_only=False)
+    states = [v for v in ckpt["callbacks"].values() if isinstance(v, dict) and "ranks" in v]
+    assert len(states) == 1, ckpt["callbacks"].keys()
+    states[0]["ranks"][1]["loader"]["seed"] += 1
+    torch.save(ckpt, path)
+    for later in (tmp_path / "run" / "ckpt").glob("*.ckpt"):
+        if later != path:
+            later.unlink()
+    log = run_torchrun(WORKER, [str(tmp_path), "b", "0", "1", "padded"], 2, fails=True)
+    assert "rank 0: ranks [1] could not load ODB's state" in log and "ResumeStateError" in log, log[-4000:]

@@ -116,13 +116,36 @@ def bad_inputs(tmp_path):
     negative = tmp_path / "lengths.txt"
     negative.write_text("10\n-5\n")
     (tmp_path / "no_traces").mkdir()
-    return {"negative": str(negative), "missing": str(tmp_path / "missing.jsonl"), "empty": str(tmp_path / "no_traces")}
+    files = {"list_line": '{"text": "hi"}\n[1, 2]\n', "no_role": '{"messages": [{"content": "x"}]}\n',
+             "broken": '{"text": "hi"}\n{bad json\n'}
+    for name, text in files.items():
+        (tmp_path / f"{name}.jsonl").write_text(text)
+    (tmp_path / "lengths_ok.txt").write_text("10\n20\n30\n")
+    (tmp_path / "config_list.json").write_text("[1, 2]")
+    return {"negative": str(negative), "missing": str(tmp_path / "missing.jsonl"), "empty": str(tmp_path / "no_traces"),
+            "lengths": str(tmp_path / "lengths_ok.txt"), "config_list": str(tmp_path / "config_list.json"),
+            **{name: str(tmp_path / f"{name}.jsonl") for name in files}}
 
 
 BAD = [
     (["simulate", "--lengths", "{negative}"], "simulate", "length -5 is negative"),
     (["profile", "--lengths", "{negative}"], "profile", "length -5 is negative"),
     (["profile", "--jsonl", "{missing}"], "profile", "No such file"),
+    (["profile", "--jsonl", "{list_line}"], "profile", "list_line.jsonl:2: a line is a JSON object"),
+    (["profile", "--jsonl", "{no_role}"], "profile", "no_role.jsonl:1: every message needs"),
+    (["profile", "--jsonl", "{broken}"], "profile", "broken.jsonl:2: not JSON"),
+    (["profile", "--lengths", "{lengths}", "--step-fixed", "0", "--step-per-token", "0"], "profile", "both 0"),
+    (["profile", "--lengths", "{lengths}", "--step-fixed", "-1", "--step-per-token", "0.001"], "profile",
+     "--step-fixed must be"),
+    (["profile", "--lengths", "{lengths}", "--step-fixed", "1", "--step-per-token", "nan"], "profile",
+     "--step-per-token must be"),
+    (["tune", "--model", "{config_list}", "--memory", "1GB", "--max-length", "16"], "tune", "holds a list"),
+    (["tune", "--model", "llama", "--set", "hidden_size=abc", "--memory", "1GB", "--max-length", "16"], "tune",
+     "with --set {'hidden_size': 'abc'}"),
+    (["tune", "--model", "torch.nn:Linear", "--set", "bogus=1", "--memory", "1GB", "--max-length", "16"], "tune",
+     "unexpected keyword argument 'bogus'"),
+    (["tune", "--model", "llama", "--memory", "1.2.3GB", "--max-length", "16"], "tune", "--memory '1.2.3GB'"),
+    (["demo", "--quick", "--samples", "8000"], "demo", "holds 7168 conversations"),
     (["profile", "--lengths", "sharegpt4o", "--buffer-size", "0"], "profile", "--buffer-size"),
     (["simulate", "--token-budget", "0", "--samples", "10"], "simulate", "token_budget"),
     (["simulate", "--capacity", "0", "--samples", "10"], "simulate", "--capacity"),

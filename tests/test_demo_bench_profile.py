@@ -156,3 +156,55 @@ def test_profile_rejects_a_bad_jsonl_line_by_number(tmp_path):
     path.write_text('{"text": "hello there"}\n{"prompt": "no text"}\n')
     out = subprocess.run([*ODB, "profile", "--jsonl", str(path)], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and f"{path}:2" in out.stderr
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 500), min_size=1, max_size=300), st.integers(1, 40), st.integers(1, 8),
+       st.integers(0, 3))
+def test_sorted_baseline_trains_every_sample_once_with_equal_steps_per_rank(lengths, batch_size, world, seed):
+    """The demo's Sorted batches: the same step count on every rank, and every sample exactly once
+    whenever some batch can be split. It used to repeat whole batches to reach a multiple of W:
+    the full demo's Sorted trained (and counted) 1,292 samples for 1,280."""
+    from odb_tools.demo.train import LengthGroupedBatches
+
+    ranks = [LengthGroupedBatches(lengths, batch_size, r, world, seed).batches for r in range(world)]
+    assert len({len(b) for b in ranks}) == 1, [len(b) for b in ranks]
+    ids = sorted(i for batches in ranks for b in batches for i in b)
+    if batch_size > 1 and len(lengths) >= world:
+        assert ids == list(range(len(lengths)))
+    else:
+        assert set(ids) == set(range(len(lengths)))
+    assert all(0 < len(b) <= batch_size for batches in ranks for b in batches)
+
+
+def test_profile_suggests_the_smallest_good_budget_whatever_their_order():
+    """It took the first good budget in the order given (4,096 or 16,384 for the same lengths)."""
+    from odb_core.distributions import sample_lengths
+    from odb_tools.profile import profile
+
+    lengths = sample_lengths("ultrachat", 5000, seed=0)
+    up, down = (profile(lengths, budgets=b)["suggested_token_budget"] for b in ([4096, 8192, 16384],
+                                                                                [16384, 8192, 4096]))
+    assert up == down == 4096
+
+
+def test_profile_of_empty_samples_reports_no_padding():
+    from odb_tools.profile import profile
+
+    row = profile([0, 0, 0], budgets=[64])["budgets"][0]
+    assert row["odb_padding"] == 0.0 and row["fixed_padding"] == 0.0, row
+
+
+def test_lhotse_rows_run_on_fewer_samples_than_its_buckets():
+    """lhotse's sampler was built with 30 buckets, which it refuses for fewer than 30 samples."""
+    pytest.importorskip("lhotse")
+    from odb_tools.bench_batching import lhotse_groups
+
+    result = lhotse_groups([5, 9, 3] * 6, 32, 0)
+    assert result is not None
+    groups, _ = result
+    assert sorted(i for g in groups for i in g) == list(range(18))

@@ -192,3 +192,49 @@ def test_a_rank_whose_peer_cannot_load_its_state_stops_at_once(tmp_path):
     assert "odb_state_rank1.json is missing" in results[1]["outcome"]
     assert results[0]["outcome"].startswith("CheckpointStateError") and "ranks [1]" in results[0]["outcome"]
     assert max(r["seconds"] for r in results) < 30
+
+
+@pytest.mark.parametrize(("content", "why"), [("", "cannot be read"), ('{"loader": {"world_size"', "cannot be read"),
+                                              ("[]", "not a window state"), ('{"loader": 5}', "not a window state"),
+                                              (b"\xff\xfe", "cannot be read")])
+def test_a_corrupt_state_file_is_a_checkpoint_state_error_naming_the_file_and_its_rank(tmp_path, content, why):
+    """A truncated, empty or non-object ``odb_state_rank1.json`` raised a bare JSONDecodeError or
+    AttributeError on every rank, naming neither the file nor the rank."""
+    _checkpoint(tmp_path, [_own(rank=0)])
+    bad = Path(state_file(str(tmp_path), 1))
+    bad.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(CheckpointStateError) as err:
+        load_windows_state(AccumulationWindows(_loader(), 1), str(tmp_path))
+    assert str(bad) in str(err.value) and why in str(err.value), err.value
+    assert (err.value.rank, err.value.ranks) == (0, (1,))
+
+
+def test_this_world_sizes_whole_set_of_states_is_resumed_and_files_left_from_a_larger_run_ignored(tmp_path):
+    """A folder saved at W=4, then at W=2 (a fixed checkpoint folder) holds ranks 2 and 3 of the
+    W=4 run beside the W=2 run's own two: resuming at W=2 merged all four and failed
+    (``samples_seen`` differs); the W=2 run's own complete set is what resumes."""
+    old = [{**_window_state(_own(world=4, rank=r, consumed=[r])), "samples_seen": 9} for r in range(4)]
+    for s in old:
+        Path(state_file(str(tmp_path), s["loader"]["rank"])).write_text(json.dumps(s))
+    _checkpoint(tmp_path, [_own(rank=0, consumed=[5, 7]), _own(rank=1, consumed=[6])])
+    windows = AccumulationWindows(_loader(), 1)
+    load_windows_state(windows, str(tmp_path))
+    assert windows.samples_seen == 0 and windows.loader.state_dict()["consumed"] == [5, 7]
+
+
+def test_states_of_several_world_sizes_without_this_worlds_whole_set_name_them(tmp_path):
+    _checkpoint(tmp_path, [_own(rank=0), _own(rank=1)])
+    Path(state_file(str(tmp_path), 2)).write_text(json.dumps(_window_state(_own(world=4, rank=2))))
+    with pytest.raises(CheckpointStateError) as err:
+        load_windows_state(AccumulationWindows(_loader(world=3), 1), str(tmp_path))
+    assert "several world sizes" in str(err.value) and "{2: [0, 1], 4: [2]}" in str(err.value), err.value
+
+
+def test_another_accumulation_count_or_a_window_handed_back_beyond_it_is_a_resume_state_error(tmp_path):
+    windows = AccumulationWindows(_loader(), 2)
+    with pytest.raises(ResumeStateError) as err:
+        windows.load_state_dict({**_window_state(_own()), "accumulation_steps": 4})
+    assert (err.value.field, err.value.rank) == ("accumulation_steps", 0)
+    with pytest.raises(ResumeStateError) as handed:
+        windows.load_state_dict({**_window_state(_own()), "accumulation_steps": 2, "handed": 2})
+    assert handed.value.field == "handed"

@@ -408,9 +408,10 @@ def wait_for_no_leftovers(tag: str, grace: float = 15.0, sessions: frozenset[int
         time.sleep(0.1)
 
 
-def run_torchrun(script: Path, args: list[str], nproc: int, timeout: float = 240) -> str:
+def run_torchrun(script: Path, args: list[str], nproc: int, timeout: float = 240, fails: bool = False) -> str:
     """Run ``script`` under torchrun on one node with ``nproc`` processes (a fresh port, a tag in
-    the environment); fail with its log unless it exits 0 and leaves no process behind."""
+    the environment); fail with its log unless it exits 0 (``fails``: not 0) and leaves no
+    process behind."""
     import signal
     import subprocess
     import sys
@@ -429,7 +430,7 @@ def run_torchrun(script: Path, args: list[str], nproc: int, timeout: float = 240
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 0, log[-6000:]
+    assert (proc.returncode != 0) == fails, log[-6000:]
     leftovers = wait_for_no_leftovers(tag)
     assert not leftovers, f"processes left behind: {leftovers}"
     return log

@@ -69,6 +69,8 @@ def run_demo(quick: bool = False, results: Path = Path("results"), world: int = 
         preset["buffer_size"] = buffer_size
     n = samples or preset["samples"]
     full = ChatDataset(max_length=preset["max_length"])
+    if n > len(full):
+        raise ValueError(f"--samples {n}: the demo's chat data holds {len(full)} conversations")
     pick = list(range(len(full)))
     random.Random(seed).shuffle(pick)
     data = full.subset(sorted(pick[:n]))

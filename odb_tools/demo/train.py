@@ -78,8 +78,9 @@ class RunConfig:
 class LengthGroupedBatches(Sampler[list[int]]):
     """Fixed-size batches of similar length: shuffle, cut into mega-batches of ``50 * batch_size``,
     sort each by length, chunk into batches, shuffle the batches, deal them round-robin to ranks.
-    The batch count is padded to a multiple of the world size by repeating the first batches
-    (as DistributedSampler pads views), so every rank runs the same number of steps.
+    The batch count is made a multiple of the world size by splitting the largest batches in
+    two, so every rank runs the same number of steps and no sample is trained (and counted)
+    twice; only batches of one sample each are repeated instead (as DistributedSampler pads).
     """
 
     def __init__(self, lengths: list[int], batch_size: int, rank: int, world: int, seed: int) -> None:
@@ -92,7 +93,11 @@ class LengthGroupedBatches(Sampler[list[int]]):
             chunk = sorted(order[k:k + mega], key=lambda i: -lengths[i])
             batches += [chunk[j:j + batch_size] for j in range(0, len(chunk), batch_size)]
         rng.shuffle(batches)
-        batches += batches[: (-len(batches)) % world]
+        while len(batches) % world and any(len(b) > 1 for b in batches):
+            k = max(range(len(batches)), key=lambda j: len(batches[j]))
+            half = len(batches[k]) // 2
+            batches[k:k + 1] = [batches[k][:half], batches[k][half:]]
+        batches += [batches[j % len(batches)] for j in range((-len(batches)) % world)]
         self.batches = batches[rank::world]
 
     def __iter__(self) -> Any:

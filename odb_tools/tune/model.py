@@ -49,27 +49,45 @@ def build_model(spec: ModelSpec, overrides: Mapping[str, Any] | None = None) -> 
             factory = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"model {spec!r}: cannot import {name!r} from {module!r}: {exc}") from None
-        return _checked(factory(**dict(overrides or {})), spec)
+        try:
+            built = factory(**dict(overrides or {}))
+        except TypeError as exc:  # a --set keyword the callable does not take
+            raise ValueError(f"model {spec!r} with --set {dict(overrides or {})}: {exc}") from None
+        return _checked(built, spec)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if Path(spec).is_file():
         try:
             loaded = json.loads(Path(spec).read_text())
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"model {spec!r}: not a JSON config: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ValueError(f"model {spec!r}: a config JSON is an object, this holds a {type(loaded).__name__}")
         data = {**loaded, **dict(overrides or {})}
         if "model_type" not in data:
             raise ValueError(f"model {spec!r}: the config JSON has no 'model_type'")
-        config = AutoConfig.for_model(**data)
+        config = _config(spec, overrides, **data)
         _refuse_new_keys(config, AutoConfig.for_model(data["model_type"]), overrides, spec, also=loaded)
     else:
         try:
             default = AutoConfig.for_model(spec)
         except ValueError as exc:
             raise ValueError(f"model {spec!r} is neither a file, module:callable nor a transformers model type: {exc}") from None
-        config = AutoConfig.for_model(spec, **dict(overrides or {}))
+        config = _config(spec, overrides, spec, **dict(overrides or {}))
         _refuse_new_keys(config, default, overrides, spec)
     return _checked(AutoModelForCausalLM.from_config(config), spec)  # type: ignore[no-untyped-call]
+
+
+def _config(spec: str, overrides: Mapping[str, Any] | None, *args: Any, **kwargs: Any) -> Any:
+    """``AutoConfig.for_model(*args, **kwargs)``; a value it rejects (transformers' validation
+    errors are not all ``ValueError``s) is a ``ValueError`` naming the model and the overrides."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.for_model(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - any rejection of the user's values, reported as bad input
+        raise ValueError(f"model {spec!r} with --set {dict(overrides or {})}: {type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
 
 
 def _refuse_new_keys(config: Any, default: Any, overrides: Mapping[str, Any] | None, spec: str,

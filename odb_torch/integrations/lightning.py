@@ -33,12 +33,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
 
-from odb_core.errors import CheckpointStateError
+from odb_core.errors import CheckpointStateError, UnsupportedSettingError
 from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import check_loss_tokens, shifted_loss_tokens
 from odb_torch.padding_free import adapter_defaults
 from odb_torch.schedule import ProgressLR, warmup_cosine, warmup_linear
-from odb_torch.windows import AccumulationWindows, MicroBatch, load_windows_states, loading_state
+from odb_torch.windows import AccumulationWindows, MicroBatch, agree_on_loading, load_windows_states, loading_state
 
 
 def odb_fields(mb: MicroBatch) -> dict[str, Any]:
@@ -104,20 +104,29 @@ class ODBLightningCallback(Callback):
         """The windows over the loader, built on first use (after Lightning set up the process group)."""
         if self._windows is None:
             loader = ODBDataLoader(self.dataset, token_budget=self.token_budget, **self.loader_kwargs)
-            self._windows = AccumulationWindows(loader, self.accumulate_grad_batches, pad_last_window=False)
+            # Lightning restores its count of micro-batches on resume and steps where it says
+            self._windows = AccumulationWindows(loader, self.accumulate_grad_batches, pad_last_window=False,
+                                                keep_phase=True)
         if self._pending is not None:
-            states = self._pending["ranks"]
-            rank = self._windows.loader.rank
-            with loading_state("the checkpoint's ODBLightningCallback state", rank):
-                if len(states) != self._windows.loader.world_size:  # resume on another world size: merge them
-                    load_windows_states(self._windows, states)
-                    self._pending = None
-                    return self._windows
-                self._windows.load_state_dict(states[rank])
-                if states[rank].get("loader") is not None:
-                    self._windows.loader.load_state_dict(states[rank]["loader"])
-            self._pending = None
+            states, self._pending = self._pending["ranks"], None
+            loader = self._windows.loader
+            error: BaseException | None = None
+            try:  # every rank must reach the agreement, whatever failed
+                self._load(states, loader.rank, loader.world_size)
+            except Exception as exc:
+                error = exc
+            agree_on_loading(error, loader.rank, "the checkpoint's ODBLightningCallback state", loader.world_size)
         return self._windows
+
+    def _load(self, states: list[dict[str, Any]], rank: int, world: int) -> None:
+        assert self._windows is not None
+        with loading_state("the checkpoint's ODBLightningCallback state", rank):
+            if len(states) != world:  # resume on another world size: merge them
+                load_windows_states(self._windows, states)
+                return
+            self._windows.load_state_dict(states[rank])
+            if states[rank].get("loader") is not None:
+                self._windows.loader.load_state_dict(states[rank]["loader"])
 
     @staticmethod
     def loss(loss_sum: torch.Tensor, batch: dict[str, Any], tokens: int | torch.Tensor | None = None) -> torch.Tensor:
@@ -147,6 +156,13 @@ class ODBLightningCallback(Callback):
     # -- Lightning hooks ----------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         adapter_defaults(pl_module, dict(self.loader_kwargs))
+        limit = trainer.limit_train_batches
+        if not (isinstance(limit, float) and limit == 1.0):
+            raise UnsupportedSettingError(
+                f"Trainer(limit_train_batches={limit!r}): ODB's epochs end when the data does; a limited epoch "
+                "would start the same epoch (the same samples) again each time, as the loader's windows count "
+                "epochs by their end. Use max_steps to end a run early, or a smaller dataset (torch.utils.data."
+                "Subset) for a short epoch", field="limit_train_batches")
         if trainer.accumulate_grad_batches != self.accumulate_grad_batches:
             raise ValueError(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) differs from "
                              f"ODBLightningCallback(accumulate_grad_batches={self.accumulate_grad_batches})")
