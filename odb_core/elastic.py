@@ -21,11 +21,12 @@ with its :class:`~odb_core.tail.TailPosition` (:func:`tail_resume`).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from odb_core.errors import LoaderStateError, ResumeStateError, UnsupportedSettingError
+from odb_core.errors import LoaderStateError, ODBError, ResumeStateError, UnsupportedSettingError
 from odb_core.tail import TailPosition, resumed_positions
 
 OWN_FIELDS = ("rank", "world_size", "epoch", "steps", "seed", "consumed")
@@ -321,11 +322,7 @@ def check_own_state(state: Mapping[str, Any], rank: int, seed: int) -> None:
         if state[key] != mine:
             raise ResumeStateError(f"rank {rank}: the state's {key}={state[key]!r} is not this loader's {mine!r}",
                                    field=key, ranks=[int(state["rank"])], rank=rank)
-    consumed = [int(p) for p in state["consumed"]]
-    bad = sorted({p for p in consumed if p < 0} | {p for p, c in Counter(consumed).items() if c > 1})
-    if bad:
-        raise ResumeStateError(f"rank {rank}: consumed positions {bad[:8]} are negative or listed twice",
-                               field="consumed", ranks=[rank], indices=bad, rank=rank)
+    consumed = check_counts(state, rank)
     if state.get("views") is not None:
         views, total = [int(g) for g in state["views"]], int(state.get("total", -1))
         outside = sorted({g for g in views if not 0 <= g < total} | {g for g, c in Counter(views).items() if c > 1})
@@ -389,3 +386,41 @@ def tail_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], shared_t
         return tail
     raise UnsupportedSettingError(f"rank {rank}: this mid-epoch state_dict cannot be resumed here: {why}",
                                   field="shared_tail", rank=rank)
+
+
+@contextmanager
+def typed_state_errors(rank: int) -> Iterator[None]:
+    """Reading a loader state: a malformed one (a missing key, a value of the wrong type or
+    shape) is a :class:`ResumeStateError` naming the missing key (``field``) or ``"state"``,
+    never a bare ``KeyError``/``TypeError``/``ValueError``; ODB's own typed errors go on as they are."""
+    try:
+        yield
+    except ODBError:
+        raise
+    except KeyError as exc:
+        key = str(exc.args[0]) if exc.args else ""
+        raise ResumeStateError(f"rank {rank}: the loader state lacks {key!r}", field=key, rank=rank) from exc
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError, IndexError) as exc:
+        raise ResumeStateError(f"rank {rank}: a malformed loader state: {type(exc).__name__}: {exc}", field="state",
+                               rank=rank) from exc
+
+
+def check_counts(state: Mapping[str, Any], rank: int, keys: Sequence[str] = ("epoch", "steps")) -> list[int]:
+    """The state's ``consumed`` positions, after :class:`ResumeStateError` naming the field unless
+    each of ``keys`` is an integer >= 0 and ``consumed`` a list of distinct integers >= 0
+    (``indices``: the bad ones)."""
+    for key in keys:
+        value = state.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ResumeStateError(f"rank {rank}: the state's {key}={value!r} is not an integer >= 0", field=key,
+                                   rank=rank)
+    consumed = state.get("consumed")
+    if not isinstance(consumed, (list, tuple)) or not all(isinstance(p, int) and not isinstance(p, bool)
+                                                          for p in consumed):
+        raise ResumeStateError(f"rank {rank}: the state's consumed={str(consumed)[:60]} is not a list of integers",
+                               field="consumed", rank=rank)
+    bad = sorted({p for p in consumed if p < 0} | {p for p, c in Counter(consumed).items() if c > 1})
+    if bad:
+        raise ResumeStateError(f"rank {rank}: consumed positions {bad[:8]} are negative or listed twice",
+                               field="consumed", ranks=[rank], indices=bad, rank=rank)
+    return list(consumed)

@@ -19,7 +19,7 @@ from torch.utils.data import Dataset, DistributedSampler, default_collate
 
 from odb_core import ODBConfig
 from odb_core.config import BudgetName, LossScaling, Mode, TargetPolicyName
-from odb_core.elastic import check_own_state, check_resumed_epoch, deals_views, tail_resume
+from odb_core.elastic import check_own_state, check_resumed_epoch, deals_views, tail_resume, typed_state_errors
 from odb_core.epoch import EpochDriver
 from odb_core.errors import (
     CollateProcessError,
@@ -377,6 +377,7 @@ class ODBDataLoader:
             state["stream_resume"] = self._recent[kept - 1][2] if kept > 0 else self._stream_point
             if self.sampler.element_id is not None:
                 state["consumed_ids"] = [self._consumed_ids[k] for k in order]
+                state["element_id"] = self.sampler.element_id
         if isinstance(self.sampler, DistributedSampler):  # what fixes its order: every resume checks it
             state.update(order_fields(self.sampler))
         if tail:  # a pooled epoch's positions: resumable with the pool's position
@@ -400,6 +401,10 @@ class ODBDataLoader:
                                           rank=self.rank)
         if self._epoch_open:  # a live iterator would go on yielding, and append to the loaded position
             self._invalidate("load_state_dict() loaded another position")
+        with typed_state_errors(self.rank):  # a malformed state: ResumeStateError, never a bare KeyError
+            self._load(state)
+
+    def _load(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         tail = tail_resume(state, self.config.shared_tail, self.rank, self.world_size)
         if isinstance(self.sampler, StreamSampler):  # same world only (ResumeStateError otherwise)
             self._resume = stream_resume(state, self.rank, self.world_size, self.config.seed,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import numbers
 import os
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from odb_core import ODBConfig
-from odb_core.elastic import stream_world_error
+from odb_core.elastic import check_counts, stream_world_error
 from odb_core.epoch import Delivery, EpochDriver, LoopEnd
 from odb_core.errors import (
     CollateProcessError,
@@ -146,7 +146,16 @@ def check_stream_ids(state: Mapping[str, Any], rank: int, element_id: str | None
         raise ResumeStateError(f"rank {rank}: the state's consumed_ids ({'absent' if ids is None else 'present'}) do "
                                f"not match this loader's element_id={element_id!r}: one identity per consumed "
                                "position with element_id, none without", field="consumed_ids", rank=rank)
-    return [int(i) for i in ids]
+    if state.get("element_id", element_id) != element_id:
+        raise ResumeStateError(f"rank {rank}: the state's identities are under element_id={state['element_id']!r}, "
+                               f"this loader's under {element_id!r}", field="element_id", rank=rank)
+    bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool)]
+    twice = sorted(i for i, c in Counter(ids).items() if c > 1) if not bad else []
+    if bad or twice:
+        raise ResumeStateError(f"rank {rank}: the state's consumed_ids hold {'non-integers ' + str(bad[:4]) if bad else ''}"
+                               f"{'identities listed twice ' + str(twice[:8]) if twice else ''}: one element's "
+                               "identity per consumed position", field="consumed_ids", indices=twice, rank=rank)
+    return list(ids)
 
 
 def element_identity(element: Any, key: str, rank: int, position: int) -> int:
@@ -174,6 +183,10 @@ def stream_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], rank: 
     (:class:`ResumeStateError`, field ``world_size``; resume such a run at an epoch boundary).
     Likewise ``num_workers``: another worker count deals the stream's shards otherwise, so the
     same positions are other elements (field ``num_workers``; a state without it is refused)."""
+    if not isinstance(state, Mapping) and not (isinstance(state, (list, tuple)) and all(
+            isinstance(s, Mapping) for s in state)):
+        raise ResumeStateError(f"rank {rank}: a {type(state).__name__} is not a loader state (a state_dict, or a "
+                               "list of every rank's)", field="state", rank=rank)
     if not isinstance(state, Mapping) or state.get("kind") == "odb-global" or state.get("world_size") != world:
         got = (f"a checkpoint of world size {state.get('world_size')}" if isinstance(state, Mapping)
                else f"a list of {len(state)} rank states (an elastic resume)")
@@ -183,7 +196,8 @@ def stream_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], rank: 
             raise ResumeStateError(f"rank {rank}: stream state_dict {key}={state.get(key)!r} does not match this "
                                    f"loader's {mine!r} (the stream's positions name other elements)",
                                    field=key, rank=rank)
-    return int(state["epoch"]), [int(p) for p in state["consumed"]], int(state["steps"])
+    consumed = check_counts(state, rank)
+    return int(state["epoch"]), consumed, int(state["steps"])
 
 
 class _Chunker:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from odb_core.elastic import global_state_from
-from odb_core.errors import CheckpointStateError, ODBError, ResumeStateError
+from odb_core.errors import CheckpointStateError, ODBError, ResumeStateError, UnsupportedSettingError
 from odb_core.sampler import epoch_views
 from odb_torch.step_info import StepInfo
 
@@ -105,6 +105,11 @@ class AccumulationWindows:
         """Global samples of one epoch: the sampler's views over every rank (join mode), the
         shared tail's pool counted once (:func:`odb_core.sampler.epoch_views`)."""
         loader = self.loader
+        if not hasattr(loader.sampler, "__len__"):  # a stream: its size is known only once read
+            raise UnsupportedSettingError(f"rank {loader.rank}: samples_per_epoch needs a dataset of known size; "
+                                          f"this loader's sampler ({type(loader.sampler).__name__}, a stream's or a "
+                                          "custom one) has no length: give a schedule by steps instead",
+                                          field="dataset", rank=loader.rank)
         if loader.config.shared_tail:  # the default DistributedSampler (checked at construction)
             return epoch_views(len(loader.sampler.dataset), loader.world_size, loader.config.shared_tail)
         return len(loader.sampler) * loader.world_size
