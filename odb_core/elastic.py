@@ -65,6 +65,14 @@ class GlobalState:
         done = set(self.consumed)
         return [g for g in range(self.total) if g not in done]
 
+    def digest(self) -> str:
+        """A short hash of :meth:`to_dict`: ranks that resume one state agree on it, so comparing it
+        at the epoch's handshake finds ranks handed different checkpoints (P4 across the resume)."""
+        import hashlib
+        import json
+
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able form, accepted by :func:`global_state_from` and ``ODBDataLoader.load_state_dict``."""
         return {"kind": "odb-global", "epoch": self.epoch, "steps": self.steps, "seed": self.seed,

@@ -215,6 +215,15 @@ def _starts_differ(host: str, port: int, found: str, start: int) -> str:
             "their loaders a different number of times")
 
 
+def resumed_state(sampler: Any, epoch: int) -> str | None:
+    """The digest of the merged state this rank was dealt its views from, in the epoch it
+    resumes (an elastic resume); else None. Ranks handed different checkpoints of the same
+    epoch and step count would deal different views: some samples twice, some never (P4)."""
+    if isinstance(sampler, ElasticOrder) and sampler.dealt(epoch):
+        return sampler.share.digest
+    return None
+
+
 def sampler_facts(sampler: Any, dataset: Any) -> dict[str, object]:
     """What every rank's sampler and dataset must agree on (compared by the handshake)."""
     return {"dataset_size": len(dataset), "sampler": type(sampler).__name__,
@@ -352,7 +361,8 @@ class CollateServer:
         self._driver = driver
         self._open_trace(cmd)
         try:
-            facts = {**sampler_facts(self.sampler, spec.dataset), "first_step": cmd.first_step}
+            facts = {**sampler_facts(self.sampler, spec.dataset), "first_step": cmd.first_step,
+                     "resumed_state": resumed_state(self.sampler, cmd.epoch)}
             self._handshake(driver, facts)
             ended = self._rounds(driver)
             self._close_loading()  # the epoch's DataLoader workers end with it, not at the next StartEpoch

@@ -34,6 +34,9 @@ class ElasticEpoch:
     total: int
     order_tail: float = 0.0
     """The shared-tail fraction of the global order's layout (0: the plain padded order)."""
+    digest: str | None = None
+    """:meth:`GlobalState.digest` of the merged state it was dealt from (None: a rank's own
+    state carried the share); the epoch's handshake compares it over the ranks."""
 
 
 def check_sampler(sampler: Any, rank: int, world: int) -> DistributedSampler[Any]:
@@ -101,7 +104,7 @@ def plan_resume(sampler: Any, rank: int, world: int, seed: int,
     check_order(dict(merged.order), ds, rank)
     views = tuple(assign_views(merged, world, rank))
     return merged, ElasticEpoch(merged.epoch, views, merged.total - len(merged.consumed), merged.order_world,
-                                merged.total, merged.order_tail)
+                                merged.total, merged.order_tail, merged.digest())
 
 
 def check_state_total(state: Mapping[str, Any], sampler: Any, share: ElasticEpoch | None, rank: int) -> None:

@@ -297,3 +297,24 @@ def test_elastic_resume_cut_on_2_ranks_resumed_on_3_then_on_2_yields_every_view_
     assert set(counts) == set(range(n)), "P4 across the world-size changes: a view lost"
     pool = int(n * tail)
     assert len(ids) == pool + 2 * math.ceil((n - pool) / 2) and max(counts.values()) <= 2, "P4: a view yielded twice"
+
+
+def test_ranks_resumed_from_different_checkpoints_of_one_step_count_are_refused_naming_the_state(tmp_path):
+    """Two W=3 runs cut at step 3 (buffers 12 and 6: other views consumed), resumed on 2 ranks,
+    rank 0 from the first run's states and rank 1 from the second's (a stale checkpoint folder on
+    one node): each deals from its own merge, and 8 of 47 samples were trained twice and 8 never,
+    without an error. The merged state's digest is a handshake fact now: every rank raises
+    ConfigMismatchError naming ``resumed_state`` before any batch."""
+    n, states_a, states_b = 47, tmp_path / "states_a", tmp_path / "states_b"
+    states_a.mkdir()
+    states_b.mkdir()
+    base = {"kind": "elastic", "n": n}
+    for buffer, states, out in ((12, states_a, "a"), (6, states_b, "b")):
+        for r in run_ranks(3, {**base, "buffer": buffer, "stop_after": 3, "save": str(states)}, tmp_path / out):
+            assert "error" not in r, r.get("trace")
+    assert [json.loads((states_a / f"state_rank{r}.json").read_text())["consumed"] for r in range(3)] != [
+        json.loads((states_b / f"state_rank{r}.json").read_text())["consumed"] for r in range(3)], "the case"
+    results = run_ranks(2, {**base, "buffer": 8, "load": str(states_a), "per_rank": {"1": {"load": str(states_b)}}},
+                        tmp_path / "c")
+    for r in results:
+        assert r.get("error") == "ConfigMismatchError" and "resumed_state" in r["message"], r
