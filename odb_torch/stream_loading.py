@@ -274,6 +274,8 @@ class StreamReader:
         self._states: list[Any] = list(states) if states is not None else [None] * max(1, workers)
         self._chunks = [0] * max(1, workers)  # chunks each worker shipped (since the start)
         self._round = -1  # the round (a worker's chunk count) of the last chunk
+        self.expect: dict[int, int] = {}  # element_id: consumed stream position -> the checkpoint's identity
+        self.key: str | None = None  # element_id
         self._points: deque[dict[str, Any]] = deque()
         if resumable(spec.dataset):
             self._points.append({"position": self.position, "workers": list(self._states)})
@@ -314,8 +316,20 @@ class StreamReader:
         return element
 
     def _drop_before(self, s: int) -> None:
+        """Pass over the positions below ``s`` (a resume's consumed ones); with ``element_id``,
+        each consumed element must be the one the checkpoint recorded there, else the stream is
+        another than the checkpoint's (:class:`ResumeStateError`, ``indices``: the position), whose
+        elements at those positions would silently never be trained (P4)."""
         while self._buffer and self.position < s:
-            self._buffer.popleft()
+            element = self._buffer.popleft()
+            expected = self.expect.get(self.position)
+            if expected is not None and self.key is not None:
+                found = element_identity(element, self.key, self.rank, self.position)
+                if found != expected:
+                    raise ResumeStateError(
+                        f"rank {self.rank}: stream position {self.position} holds element_id {found}, the checkpoint "
+                        f"consumed element_id {expected} there: this stream is not the one the checkpoint read",
+                        field="consumed_ids", indices=(self.position,), rank=self.rank)
             self.position += 1
 
     def _refill(self, s: int) -> None:
@@ -394,6 +408,9 @@ class StreamServer(CollateServer):
                 driver.start_iteration(())
                 self._close_reader()
                 self._reader = StreamReader(self.spec, self._start)
+                if self.options.element_id is not None:  # the consumed prefix is checked as it is passed over
+                    self._reader.key = str(self.options.element_id)
+                    self._reader.expect = {pos: ident for ident, pos in self._seen.items()}
                 self._template, self._template_length = None, 0
                 continue
             self._read(driver, samples)

@@ -130,6 +130,8 @@ def one_run(run: dict[str, Any], rank: int, world: int, port: int) -> dict[str, 
         if "resume_after" in run:
             out["state"] = loader.state_dict()
     if "resume_after" in run:
+        if "resumed_ids" in run:  # the resume reads another stream (a checkpoint of the wrong data)
+            dataset = RankStream(run["resumed_ids"][rank])
         with make_loader(dataset, rank, world, port + 1, **kw) as resumed:
             resumed.load_state_dict(out["state"])
             out["resumed"] = run_loader(resumed)

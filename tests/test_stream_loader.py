@@ -373,3 +373,20 @@ def test_an_empty_stream_without_idle_sample_is_a_typed_error_naming_the_fix(tmp
     results = run_ranks(2, task, tmp_path, target=stream_rank_main, timeout=120)
     assert "CollateProcessError" in results[1].get("error", "") and "idle_sample" in results[1]["error"], results[1]
     assert results[0].get("error", "").startswith("PeerError"), results[0]
+
+
+def test_a_stream_checkpoint_resumed_over_another_stream_is_refused_naming_the_position(tmp_path: Path) -> None:
+    """``element_id``: a checkpoint after 10 steps, resumed with rank 0's stream replaced by
+    other elements (ids 1000..): the consumed prefix is read again and was dropped unchecked, so
+    the new stream's elements at those positions were never trained (17 of them), without an
+    error. Now each element passed over must be the one the checkpoint consumed there: rank 0
+    raises ResumeStateError (field consumed_ids) and rank 1, whose peer is gone, PeerError."""
+    ids = [list(range(60)), list(range(100, 160))]
+    other = [list(range(1000, 1060)), ids[1]]
+    task = {"port": free_port(6), "runs": [{"name": "g", "source": "generator", "ids": ids, "element_id": "id",
+                                            "resume_after": 10, "resumed_ids": other}]}
+    results = run_ranks(2, task, tmp_path, target=stream_rank_main, timeout=150)
+    first = results[0].get("error", "").split("\n")[0]
+    assert first.startswith("ResumeStateError") and "holds element_id 10" in first, results[0].get("error")
+    assert "not the one the checkpoint read" in first, first
+    assert results[1].get("error", "").startswith("PeerError"), results[1].get("error")
