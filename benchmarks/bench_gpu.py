@@ -253,11 +253,11 @@ def run(size_name: str, device: str, methods: Iterable[str] = METHODS, seed: int
         name = _device_name(device)
     finally:
         torch.set_num_threads(threads)
-    base = next((r for r in rows if r["method"] == "standard"), rows[0])
-    for r in rows:  # no ratio against a Standard that ran out of memory, nor for a row that did
-        fair = base["out_of_memory"] is None and r["out_of_memory"] is None
-        r["speedup_vs_standard"] = r["samples_per_second"] / base["samples_per_second"] if fair else None
-        r["peak_memory_vs_standard"] = r["peak_memory_bytes"] / base["peak_memory_bytes"] if fair else None
+    base = next((r for r in rows if r["method"] == "standard"), None)
+    for r in rows:  # no ratio without a Standard row, against one that ran out of memory, nor for a row that did
+        fair = base is not None and base["out_of_memory"] is None and r["out_of_memory"] is None
+        r["speedup_vs_standard"] = r["samples_per_second"] / base["samples_per_second"] if fair and base else None
+        r["peak_memory_vs_standard"] = r["peak_memory_bytes"] / base["peak_memory_bytes"] if fair and base else None
     return {"rows": rows, "size": size_name, "device": name, "samples": len(data),
             "fixed_batch_size": batch_size, "token_budget": size["token_budget"], "max_length": size["max_length"],
             "buffer_size": size["buffer_size"], "dtype": size["dtype"], "model": size["model"],
@@ -290,6 +290,14 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join([head, "", *lines])
 
 
+def _at_least_two(text: str) -> int:
+    """An argparse type: an int of at least 2 (the untimed warm-up step collates two samples)."""
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{text}: at least 2 conversations")
+    return value
+
+
 def _positive(text: str) -> int:
     """An argparse type: an int of at least 1."""
     value = int(text)
@@ -314,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=tuple(SIZES), default="tiny")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:k]")
-    p.add_argument("--samples", type=int, default=None, help="conversations (default: the size's)")
+    p.add_argument("--samples", type=_at_least_two, default=None, help="conversations (default: the size's; >= 2)")
     p.add_argument("--token-budget", type=int, default=None, help="L_max (default: the size's; odb tune picks one)")
     p.add_argument("--max-length", type=int, default=None, help="the cut-off (default: the size's)")
     p.add_argument("--buffer-size", type=int, default=None)

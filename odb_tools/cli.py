@@ -127,6 +127,8 @@ def read_lengths(path: str | Path) -> list[int]:
             if value < 0:
                 raise ValueError(f"{path}:{lineno}: length {value} is negative")
             out.append(value)
+    if not out:
+        raise ValueError(f"{path}: holds no lengths")
     return out
 
 

@@ -76,3 +76,15 @@ def test_batch_size_sets_the_fixed_batches_and_attn_the_models_attention(capsys)
         assert r["steps"] == -(-result["samples"] // 4) and r["samples"] == result["samples"], r["method"]
     model = bench_gpu.build_model({**bench_gpu.SIZES["tiny"], "attn_implementation": "eager"}, "cpu", 0)
     assert model.config._attn_implementation == "eager"
+
+
+def test_without_a_standard_row_no_ratio_is_printed_and_one_sample_is_refused(capsys):
+    """``--methods sorted`` printed 'speedup vs Standard 1.00x' (against itself); ``--samples 1``
+    crashed in the untimed warm-up, which collates two samples."""
+    assert bench_gpu.main(["--size", "tiny", "--device", "cpu", "--methods", "sorted", "--samples", "8",
+                           "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert row["speedup_vs_standard"] is None and row["peak_memory_vs_standard"] is None
+    with pytest.raises(SystemExit) as exit_:
+        bench_gpu.main(["--size", "tiny", "--device", "cpu", "--samples", "1"])
+    assert exit_.value.code == 2 and "at least 2" in capsys.readouterr().err

@@ -122,13 +122,16 @@ def bad_inputs(tmp_path):
         (tmp_path / f"{name}.jsonl").write_text(text)
     (tmp_path / "lengths_ok.txt").write_text("10\n20\n30\n")
     (tmp_path / "config_list.json").write_text("[1, 2]")
+    (tmp_path / "no_lengths.txt").write_text("\n")
     return {"negative": str(negative), "missing": str(tmp_path / "missing.jsonl"), "empty": str(tmp_path / "no_traces"),
-            "lengths": str(tmp_path / "lengths_ok.txt"), "config_list": str(tmp_path / "config_list.json"),
+            "lengths": str(tmp_path / "lengths_ok.txt"), "no_lengths": str(tmp_path / "no_lengths.txt"),
+            "config_list": str(tmp_path / "config_list.json"),
             **{name: str(tmp_path / f"{name}.jsonl") for name in files}}
 
 
 BAD = [
     (["simulate", "--lengths", "{negative}"], "simulate", "length -5 is negative"),
+    (["simulate", "--lengths", "{no_lengths}"], "simulate", "holds no lengths"),
     (["profile", "--lengths", "{negative}"], "profile", "length -5 is negative"),
     (["profile", "--jsonl", "{missing}"], "profile", "No such file"),
     (["profile", "--jsonl", "{list_line}"], "profile", "list_line.jsonl:2: a line is a JSON object"),
