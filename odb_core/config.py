@@ -133,10 +133,10 @@ class ODBConfig(BaseModel):
     seed: Integer = 0
     target_policy: TargetPolicyName = "balanced"
     overflow_policy: OverflowPolicyName = "largest"
-    output_capacity: Integer | None = Field(default=None, ge=1)
-    regroup_padding: float | None = Field(default=0.02, ge=0, lt=1)
+    output_capacity: Integer | None = Field(default=None, ge=1, lt=2**63)  # an int64 header field
+    regroup_padding: Annotated[float, Field(strict=True)] | None = Field(default=0.02, ge=0, lt=1)
     shuffle_steps: bool = True
-    shared_tail: float = Field(default=0.0, ge=0, lt=1)
+    shared_tail: Annotated[float, Field(strict=True)] = Field(default=0.0, ge=0, lt=1)
     reserve_divisor: Integer = Field(default=8, ge=1)
 
     @model_validator(mode="before")

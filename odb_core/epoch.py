@@ -138,6 +138,9 @@ class EpochDriver:
                  skip: Sequence[int] = (), first_step: int = 0, skip_idle: bool = False,
                  trace: list[dict[str, Any]] | None = None, stream: bool = False,
                  tail: TailPosition | None = None) -> None:
+        if not 0 <= rank < world:
+            raise UnsupportedSettingError(f"rank {rank} is not one of the {world} ranks (0..{world - 1})", field="rank",
+                                          rank=rank)
         self.config, self.rank, self.world, self.epoch = config, rank, world, epoch
         self.join = config.mode == "join"
         self.stream = stream

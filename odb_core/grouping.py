@@ -25,12 +25,17 @@ def batch_size_for(length: int, token_budget: int) -> int:
     return max(token_budget // max(length, 1), 1)
 
 
+MAX_LENGTH = 2**40
+"""The longest sample accepted (10^12 tokens): a buffer's lengths and loss tokens travel summed in
+int64 header fields, which buffers of up to 2^23 such samples cannot overflow."""
+
+
 def check_length(length: object, what: str) -> int:
-    """Return ``length`` if it is a non-negative int, else raise naming ``what``."""
+    """Return ``length`` if it is an int in [0, :data:`MAX_LENGTH`], else raise naming ``what``."""
     if isinstance(length, bool) or not isinstance(length, int):
         raise InvalidSampleError(f"{what}: length must be an int, got {type(length).__name__} {length!r}")
-    if length < 0:
-        raise InvalidSampleError(f"{what}: length must be >= 0, got {length}")
+    if not 0 <= length <= MAX_LENGTH:
+        raise InvalidSampleError(f"{what}: length must be in [0, 2^40], got {length}")
     return length
 
 

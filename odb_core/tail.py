@@ -141,9 +141,10 @@ def resumed_positions(own: int, pool: int, skip: frozenset[int], tail: TailPosit
         raise ResumeStateError(f"rank {rank}: the checkpoint's pool position (cursor {tail.cursor}, claims "
                                f"{list(tail.claimed)[:8]}) does not fit this epoch's pool of {pool} views",
                                field="claimed", rank=rank, ranks=[rank])
-    stray = sorted(p for p in skip if p >= own and p - own not in claimed)
+    stray = sorted(p for p in skip if p < 0 or p >= own and p - own not in claimed)
     if stray:
-        raise ResumeStateError(f"rank {rank}: consumed positions {stray[:8]} are pool views this rank never claimed",
+        raise ResumeStateError(f"rank {rank}: consumed positions {stray[:8]} are negative or pool views this rank "
+                               "never claimed",
                                field="consumed", rank=rank, ranks=[rank], indices=stray)
-    kept = [p for p in range(own) if p not in skip]
+    kept = [p for p in range(own) if p not in skip]  # (a negative one is above, with the strays)
     return kept + [own + j for j in tail.claimed if own + j not in skip]

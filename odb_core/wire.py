@@ -79,9 +79,16 @@ class Header(NamedTuple):
 
 
 def _check_ints(vector: Sequence[int], what: str, length: int) -> list[int]:
-    if len(vector) != length:
-        raise WireFormatError(f"{what}: expected {length} int64 values, got {len(vector)}")
-    out = [int(v) for v in vector]
+    try:
+        n = len(vector)
+        out = [int(v) for v in vector]
+    except (TypeError, ValueError) as exc:  # not a sequence, None, NaN, a string that is no number
+        raise WireFormatError(f"{what}: not a vector of integers ({type(exc).__name__}: {exc})") from None
+    if n != length:
+        raise WireFormatError(f"{what}: expected {length} int64 values, got {n}")
+    if out != list(vector):  # a float truncated, a numeric string: name the first such field
+        i = next(i for i, (a, b) in enumerate(zip(out, vector)) if a != b or isinstance(b, str))
+        raise WireFormatError(f"{what}: field {i} is {vector[i]!r}, not an integer")
     if out and (min(out) < 0 or max(out) > INT64_MAX):  # C-level scan; name the first bad field
         for i, v in enumerate(out):
             if not 0 <= v <= INT64_MAX:
@@ -103,6 +110,8 @@ def decode_header(vector: Sequence[int], rank: int, length: int = HEADER_LEN) ->
             f"rank {rank} reports {status.name.lower()} while holding {samples} samples in {groups} groups "
             f"({pending} pending)"
         )
+    if (tokens or load) and not samples:
+        raise PeerInconsistencyError(f"rank {rank} reports {tokens} loss tokens and a load of {load} without samples")
     if room and (pending or not samples):
         raise PeerInconsistencyError(f"rank {rank} reports {room} room in held groups with {samples} samples "
                                      f"and {pending} pending (room is reported only with every view arrived)")
@@ -247,6 +256,8 @@ def decode_steps(
                 raise PeerInconsistencyError(f"rank {r} was ready but sent an empty item")
             if sum(n for n, _ in pairs) > header.samples:
                 raise PeerInconsistencyError(f"rank {r} emitted more samples than the {header.samples} it held")
+            if sum(t for _, t in pairs) > header.tokens:
+                raise PeerInconsistencyError(f"rank {r} emitted more loss tokens than the {header.tokens} it held")
         elif any(n or t for n, t in pairs):
             raise PeerInconsistencyError(f"rank {r} was not ready but sent a non-idle item")
         decoded.append(pairs)
@@ -284,8 +295,8 @@ def _step_sums(vectors: Sequence[Sequence[int]], headers: Sequence[Header], targ
                 raise _Slow  # a value >= 2^48: slots could carry (and >= 2^63 is an error)
             if header.status is Status.READY:
                 samples = vector[0::2]
-                held = sum(samples)
-                if type(held) is not int or held > header.samples or 0 in samples:
+                held, tokens = sum(samples), sum(vector[1::2])
+                if type(held) is not int or held > header.samples or 0 in samples or tokens > header.tokens:
                     raise _Slow
             elif value:
                 raise _Slow
@@ -333,7 +344,8 @@ def _step_sums_bytes(data: GatheredBytes, headers: Sequence[Header], target: int
     Every value below 2^48 (the two top bytes of each slot zero, one scan of the bytes), each
     rank's vector is read as one integer: a ready rank's sample slots all >= 1 (adding
     2^48 - 1 to each sets its bit 48) and their sum (folded into slot 0) at most its header's
-    samples, an inactive rank's vector zero; the ranks' integers add up to the field sums.
+    samples, its token slots' sum at most its header's tokens, an inactive rank's vector zero;
+    the ranks' integers add up to the field sums.
     Anything else is decoded to int64 lists and decided by :func:`_step_sums_checked`."""
     data = data if type(data) is bytes else bytes(data)
     n, world = 2 * target, len(headers)
@@ -353,9 +365,11 @@ def _step_sums_bytes(data: GatheredBytes, headers: Sequence[Header], target: int
                 held = value & samples_mask
                 if (held + samples_mask) & bit48 != bit48:
                     raise _Slow  # an empty item
+                tokens = (value >> 64) & samples_mask  # the token slots, moved onto the sample slots
                 for shift, mask in folds:
                     held = (held & mask) + (held >> shift)
-                if held > header.samples:
+                    tokens = (tokens & mask) + (tokens >> shift)
+                if held > header.samples or tokens > header.tokens:
                     raise _Slow
             elif value:
                 raise _Slow

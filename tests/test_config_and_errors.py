@@ -105,3 +105,43 @@ def test_ranks_that_disagree_on_skip_idle_fail_the_handshake():
     with pytest.raises(ConfigMismatchError) as info:
         drivers[0].check_hello(gathered)
     assert info.value.field == "skip_idle" and info.value.ranks == (1,)
+
+
+@pytest.mark.parametrize(("field", "value"), [("regroup_padding", False), ("regroup_padding", "0.5"),
+                                              ("shared_tail", True), ("shared_tail", "0.3"),
+                                              ("output_capacity", 2**63)])
+def test_a_float_field_refuses_bools_and_strings_and_capacity_fits_its_header_field(field, value):
+    """``regroup_padding=False`` was read as 0.0 (hold every padded group: the most holding, not
+    none), a string as its number; an output_capacity of 2^63 passed and then failed every round
+    as a WireFormatError blaming rank 0's header."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as err:
+        ODBConfig(token_budget=10, **{field: value})
+    assert err.value.errors()[0]["loc"][0] == field
+
+
+def test_a_length_past_2_to_the_40_is_an_invalid_sample_naming_it():
+    """Two samples of 2^62 tokens in one buffer overflowed the int64 header and failed each round
+    as a WireFormatError blaming the rank's header, not the sample."""
+    from odb_core.errors import InvalidSampleError
+    from odb_core.grouping import MAX_LENGTH, check_length
+
+    assert check_length(MAX_LENGTH, "sample 3") == MAX_LENGTH
+    with pytest.raises(InvalidSampleError, match="sample 3"):
+        check_length(MAX_LENGTH + 1, "sample 3")
+
+
+def test_an_epoch_driver_of_a_rank_outside_the_world_and_a_pooled_resume_of_negative_positions_are_refused():
+    from odb_core.epoch import EpochDriver
+    from odb_core.errors import ResumeStateError, UnsupportedSettingError
+    from odb_core.tail import TailPosition
+
+    with pytest.raises(UnsupportedSettingError) as err:
+        EpochDriver(ODBConfig(token_budget=10), 3, 2)
+    assert err.value.field == "rank"
+    driver = EpochDriver(ODBConfig(token_budget=10, buffer_size=2, shared_tail=0.2), 0, 2, skip=[-3, 0],
+                         tail=TailPosition(0, ()))
+    with pytest.raises(ResumeStateError) as resumed:
+        driver.start_iteration([5, 6, 7, 8], pool=(9,))
+    assert resumed.value.field == "consumed" and resumed.value.indices == (-3,)

@@ -120,7 +120,11 @@ class OneRankVsPeers(RuleBasedStateMachine):
                 sizes = [1] * target
                 for _ in range(data.draw(st.integers(0, h.samples - target))):
                     sizes[data.draw(st.integers(0, target - 1))] += 1
-                vectors.append([v for n in sizes for v in (n, data.draw(st.integers(0, 50)))])
+                left, tokens = h.tokens, []  # a peer emits no more loss tokens than it held
+                for _ in sizes:
+                    tokens.append(data.draw(st.integers(0, min(50, left))))
+                    left -= tokens[-1]
+                vectors.append([v for n, t in zip(sizes, tokens) for v in (n, t)])
             else:
                 vectors.append([0] * (2 * target))
         before = len(self.p.emitted)

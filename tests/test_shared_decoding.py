@@ -175,10 +175,12 @@ def draw_round(data, target, sizes_st, corrupt_st):
         status = data.draw(st.sampled_from([wire.Status.READY, wire.Status.READY, wire.Status.WAITING,
                                             wire.Status.FINISHED]))
         sizes = [data.draw(sizes_st) for _ in range(target)]
-        samples = sum(sizes) + data.draw(st.integers(0, 3)) - data.draw(st.booleans()) if status is wire.Status.READY else 0
-        headers.append(wire.Header(0, 0, status, 1, 0, max(samples, 0), 0))
         ready = status is wire.Status.READY
-        vectors.append([v for n in sizes for v in ((n, data.draw(st.integers(0, 9999))) if ready else (0, 0))])
+        tokens = [data.draw(st.integers(0, 9999)) if ready else 0 for _ in sizes]
+        samples = sum(sizes) + data.draw(st.integers(0, 3)) - data.draw(st.booleans()) if ready else 0
+        held = sum(tokens) + data.draw(st.integers(0, 3)) - data.draw(st.booleans()) if ready and samples > 0 else 0
+        headers.append(wire.Header(0, 0, status, 1, 0, max(samples, 0), max(held, 0)))
+        vectors.append([v for n, t in zip(sizes, tokens) for v in ((n, t) if ready else (0, 0))])
     for _ in range(data.draw(st.integers(0, 2))):  # corrupt some values
         r, i = data.draw(st.integers(0, len(vectors) - 1)), data.draw(st.integers(0, target - 1))
         vectors[r][2 * i + data.draw(st.sampled_from([1, 0]))] = data.draw(corrupt_st)  # tokens, samples
@@ -297,7 +299,7 @@ def bytes_agree_with_lists(vectors, headers, target, kind=bytes) -> None:
 @given(st.data())
 def test_step_bytes_agree_with_the_lists(data):
     """Sums and every error as the list path gives them, on valid vectors and on negative,
-    >= 2^48, empty, over-held and non-idle-while-inactive ones, for T up to 40 (every fold
+    >= 2^48, empty, over-held (samples or loss tokens) and non-idle-while-inactive ones, for T up to 40 (every fold
     shape); a bytes StepGather reads each rank's vector and the columns back."""
     target = data.draw(st.integers(1, 40))
     vectors, headers = draw_round(data, target, st.one_of(st.integers(1, 5), st.integers(1, 2**40)), INT64_VALUES)
@@ -322,7 +324,7 @@ def test_step_bytes_of_the_wrong_size_are_a_wire_format_error():
 def test_a_wrong_bytes_check_is_caught(monkeypatch, bug):
     """Seeded bugs in the bytes path, each caught by the comparison above: the sample sum
     folded at the wrong shift (an over-held rank passes) or the empty-item test lost."""
-    ready = wire.Header(0, 0, wire.Status.READY, 3, 0, 6, 0)
+    ready = wire.Header(0, 0, wire.Status.READY, 3, 0, 6, 70)
     over_held = ([[1, 10, 2, 20, 4, 40]], [ready], 3)  # 7 samples, 6 held
     empty = ([[1, 10, 0, 20, 4, 40]], [ready], 3)
     for case in (over_held, empty):

@@ -18,7 +18,7 @@ def headers(draw):
     else:
         samples = draw(st.integers(0 if status is Status.WAITING else 1, 10_000))
         groups = 0 if status is Status.WAITING else draw(st.integers(1, samples))
-        tokens = draw(ints)
+        tokens = draw(ints) if samples else 0  # loss tokens come with samples
     return Header(draw(ints), draw(ints), status, groups, draw(ints), samples, tokens)
 
 
@@ -40,6 +40,12 @@ def test_header_round_trips(header):
         ([0, 0, 1, 0, 0, 5, 0], PeerInconsistencyError, "ready with 0 groups"),
         ([0, 0, 1, 6, 0, 5, 0], PeerInconsistencyError, "ready with 6 groups over 5"),
         ([0, 0, 1, 1, 0, 2**63, 0], WireFormatError, "field 5"),
+        ([0, 0, 1, 1, 0, 2.7, 0], WireFormatError, "field 5 is 2.7, not an integer"),
+        ([0, 0, 1, 1, 0, "2", 0], WireFormatError, "field 5 is '2', not an integer"),
+        ([0, 0, 1, 1, 0, None, 0], WireFormatError, "not a vector of integers"),
+        ([0, 0, 1, 1, 0, float("nan"), 0], WireFormatError, "not a vector of integers"),
+        (None, WireFormatError, "not a vector of integers"),
+        ([0, 0, 0, 0, 0, 0, 5], PeerInconsistencyError, "5 loss tokens and a load of 0 without samples"),
     ],
 )
 def test_malformed_or_inconsistent_header_raises(vector, error, needle):
@@ -77,6 +83,8 @@ def idle():
         ([[1, 1, 1, 1]], [ready()], 3, WireFormatError, "expected 6"),
         ([[1, 1, 0, 0]], [ready()], 2, PeerInconsistencyError, "empty item"),
         ([[3, 1, 2, 1]], [ready()], 2, PeerInconsistencyError, "more samples than the 4"),
+        ([[2, 6, 1, 5]], [ready()], 2, PeerInconsistencyError, "more loss tokens than the 10"),
+        ([[2, 6, 1.5, 1]], [ready()], 2, WireFormatError, "field 2 is 1.5"),
         ([[0, 0, 1, 0]], [idle()], 2, PeerInconsistencyError, "not ready but sent"),
         ([[0, 0]], [idle(), idle()], 1, WireFormatError, "expected 2 vectors"),
     ],
@@ -118,3 +126,20 @@ def test_tampered_own_header_is_rejected_and_state_kept():
         a.on_headers([forged, hb])
     plan = a.on_headers([ha, hb])  # the rejected call changed nothing
     assert plan.target >= 1
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_a_step_gather_with_more_loss_tokens_than_its_header_held_is_refused_on_both_paths(raw):
+    """The step gather checked a rank's samples against its header, not its loss tokens: a peer
+    reporting 10^12 tokens it never held was accepted, and every rank's P7 weights went wrong."""
+    import struct
+
+    from odb_core.wire import HeaderGather, StepGather
+
+    headers = HeaderGather.decode([[0, 0, 1, 1, 0, 2, 5], [0, 0, 0, 0, 0, 0, 0]], 2, 0, 0)
+    vectors = [[1, 10**12], [0, 0]]
+    gathered = struct.pack("<4q", *vectors[0], *vectors[1]) if raw else vectors
+    with pytest.raises(PeerInconsistencyError, match="more loss tokens than the 5"):
+        StepGather(gathered, headers, 1)
+    fine = [[1, 5], [0, 0]]
+    assert StepGather(struct.pack("<4q", *fine[0], *fine[1]) if raw else fine, headers, 1).global_tokens == [5]
