@@ -117,3 +117,37 @@ def test_a_hugging_face_batch_encoding_travels_in_the_flat_buffer() -> None:
     assert b"rebuild_storage" not in encode(Batch(batch, INFO, (0,)))
     got = through_messages(batch)
     assert type(got) is type(batch) and same_batch(batch, got) and got.input_ids is got["input_ids"]
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_tensor_twice_arrives_as_one_tensor_and_lazy_views_with_their_values(inline: bool) -> None:
+    """The same tensor under two keys arrived as two copies (its bytes sent twice, a write
+    through one not seen in the other); a conjugate or negative view arrived with its base's
+    values (torch's queue pickler drops the bits, as a DataLoader's does)."""
+    t = torch.arange(6, dtype=torch.int64)
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    batch = {"a": t, "b": t, "nested": [t], "conj": z.conj(), "neg": torch.tensor([1 + 1j]).conj().imag,
+             "real": torch.tensor([2 + 1j]).real}  # one element, stride 2: packing it crashed
+    old = batch_transfer.INLINE_BYTES
+    batch_transfer.INLINE_BYTES = old if inline else 0
+    try:
+        got = through_messages(batch)
+    finally:
+        batch_transfer.INLINE_BYTES = old
+    assert got["a"] is got["b"] is got["nested"][0] and torch.equal(got["a"], t)
+    assert torch.equal(got["conj"], torch.tensor([1 - 2j, 3 + 1j])) and not got["conj"].is_conj()
+    assert torch.equal(got["neg"], torch.tensor([-1.0])) and torch.equal(got["real"], torch.tensor([2.0]))
+
+
+def test_in_a_shared_batch_a_small_tensor_owns_its_storage() -> None:
+    """In a batch over 4 MiB every tensor was a view of the one shared buffer: saving or keeping
+    a small one (the batch's indices, for logging) wrote or held the whole batch."""
+    import io
+
+    batch = {"input_ids": torch.zeros(5 << 20, dtype=torch.uint8), "idx": torch.arange(4)}
+    got = through_messages(batch)
+    assert got["idx"].untyped_storage().nbytes() == 4 * 8
+    out = io.BytesIO()
+    torch.save(got["idx"], out)
+    assert out.tell() < 4096 and torch.equal(got["idx"], batch["idx"])
+    assert got["input_ids"].untyped_storage().nbytes() >= 5 << 20  # a large one stays a view (no copy)
