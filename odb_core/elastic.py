@@ -340,6 +340,28 @@ def check_own_state(state: Mapping[str, Any], rank: int, seed: int) -> None:
         check_positions(consumed, len(views), rank)
 
 
+def order_digest(views: Sequence[int], pool: Sequence[int] = ()) -> str:
+    """A short hash of an epoch's sampler order (this rank's views, then the pool's): a state's
+    positions index it, so a resume over another order would train some samples twice and others
+    never (P4). It is recorded with the state and compared when the resumed epoch starts."""
+    import hashlib
+    from array import array
+
+    return hashlib.sha256(array("q", [*views, -1, *pool]).tobytes()).hexdigest()[:16]
+
+
+def check_order_digest(recorded: str | None, found: str, rank: int) -> None:
+    """:class:`ResumeStateError` (``field="sampler"``) unless the resumed epoch's order is the one
+    the state recorded (``recorded`` None: nothing recorded, nothing to check)."""
+    if recorded is not None and recorded != found:
+        raise ResumeStateError(
+            f"rank {rank}: the sampler's order of the resumed epoch is not the one the checkpoint's positions "
+            "index (a sampler that draws from a random generator whose state the restart does not restore, "
+            "such as SubsetRandomSampler or WeightedRandomSampler, or another dataset): resuming would train "
+            "some samples twice and others never; resume at an epoch boundary, or give the sampler an order "
+            "fixed by its epoch (set_epoch)", field="sampler", ranks=[rank], rank=rank)
+
+
 def check_positions(consumed: Iterable[int], positions: int, rank: int) -> None:
     """:class:`ResumeStateError` (``field="consumed"``, ``indices``) unless every consumed position
     indexes one of the epoch's ``positions`` sampler positions (P4: one outside would be skipped

@@ -38,7 +38,7 @@ from torch.distributed import ProcessGroupGloo, TCPStore  # type: ignore[attr-de
 from torch.utils.data import DataLoader, Dataset
 
 from odb_core import ODBConfig, ODBError
-from odb_core.elastic import epoch_pool
+from odb_core.elastic import check_order_digest, epoch_pool, order_digest
 from odb_core.epoch import Delivery, EpochDriver, LoopEnd
 from odb_core.errors import (
     CollateFnError,
@@ -246,6 +246,8 @@ class CollateServer:
         self._loading: Iterator[Any] | None = None  # the current iteration's loads (owns the workers)
         self._driver: EpochDriver | None = None
         self._prepared: tuple[StartEpoch, EpochDriver] | None = None  # an epoch started before its handshake
+        self._order: str | None = None  # the digest of the current iteration's sampler order
+        self._expect_order: str | None = None  # a resumed epoch's recorded order digest, until checked
         self._load_state: tuple[list[int], list[list[int]], int] | None = None  # views, chunks, next chunk
         self._scheduled = 0  # positions of the iteration whose loads are started (shared tail: claims later)
         self._claims_sent = 0  # this rank's pool claims reported to the trainer (shared tail)
@@ -411,9 +413,13 @@ class CollateServer:
         dealt = isinstance(self.sampler, ElasticOrder) and self.sampler.dealt(epoch)
         if epoch_pool(spec.config.shared_tail, dealt):  # own views and the pool, from the sampler's global order
             base = self.sampler.sampler if isinstance(self.sampler, ElasticOrder) else self.sampler
-            driver.start_iteration(*tail_shares(base, spec.rank, spec.world, epoch or 0, spec.config.shared_tail))
+            views, pool = tail_shares(base, spec.rank, spec.world, epoch or 0, spec.config.shared_tail)
         else:
-            driver.start_iteration([int(i) for i in self.sampler])
+            views, pool = [int(i) for i in self.sampler], []
+        self._order = order_digest(views, pool)
+        check_order_digest(self._expect_order, self._order, spec.rank)  # a resume over the order it recorded
+        self._expect_order = None
+        driver.start_iteration(views, pool)
         self._close_loading()
         self._scheduled = len(driver.views)  # positions whose loads are started (claims come later)
         self._claims_sent = len(driver.claimed_pool)  # a resumed pooled epoch's earlier claims: the trainer has them
@@ -429,6 +435,7 @@ class CollateServer:
         if (self._prepared is not None and self._prepared[0] is cmd) or hasattr(self.sampler, "server_cls"):
             return  # prepared already, or a stream's server, which reads its own way
         self._prepared = None
+        self._expect_order = cmd.order  # checked by the epoch's first iteration (join: its only one)
         try:
             driver = self._new_driver(cmd)
             self._start_iteration(driver)
@@ -574,7 +581,7 @@ class CollateServer:
             over_budget=s.over_budget, indices=s.identities,
         )
         self._flush_trace(driver)  # the trace covers every batch the trainer may have received
-        self._put(Batch(batch, info, item.sampler_positions, tail=self._tail_report(driver)))
+        self._put(Batch(batch, info, item.sampler_positions, tail=self._tail_report(driver), order=self._order))
         return False
 
     def _tail_report(self, driver: EpochDriver) -> tuple[int, tuple[int, ...]] | None:

@@ -138,8 +138,8 @@ def _read_fields(dl: DataLoader[Any]) -> dict[str, Any]:
     context = dl.multiprocessing_context
     if workers and context is not None:
         keywords["worker_start_method"] = context if isinstance(context, str) else context.get_start_method()
-    if dl.timeout > 0:
-        keywords["timeout"] = float(dl.timeout)
+    # dl.timeout is not carried: it bounds one batch from the DataLoader's workers, ODB's timeout
+    # also how long a rank waits for its peers (one evaluating or checkpointing while the others wait)
     return keywords
 
 

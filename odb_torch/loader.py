@@ -286,6 +286,8 @@ class ODBDataLoader:
         self._consumed_ids: list[int] = []  # a stream's element_id identities of _consumed, in order
         self._resume: tuple[int, list[int], int] | None = None
         self._tail_resume: TailPosition | None = None  # a loaded pooled position, for the resumed StartEpoch
+        self._order: str | None = None  # the digest of this epoch's sampler order (odb_core.elastic.order_digest)
+        self._order_resume: str | None = None  # a loaded state's order digest, for the resumed StartEpoch
         self._tail = TailPosition(0, ())  # a pooled epoch's pool position at the last yielded step
         self._epoch_open = False  # an iteration started and has not reached its EpochEnd
         self._serial = 0  # epochs started by this loader (the same on every rank: names trace files)
@@ -352,6 +354,8 @@ class ODBDataLoader:
         state: dict[str, Any] = {"epoch": epoch, "steps": self._steps - n_steps, "consumed": [consumed[k] for k in order],
                                  "rank": self.rank, "world_size": self.world_size, "seed": self.config.seed}
         state.update(self._order_state(epoch, unconsumed, order))
+        if self._order is not None and consumed:  # what the positions index: a resume checks it
+            state["order_digest"] = self._order
         return state
 
     def _order_state(self, epoch: int, unconsumed: int, order: list[int]) -> dict[str, Any]:
@@ -428,13 +432,17 @@ class ODBDataLoader:
             self.epoch = int(state["epoch"])
             self._resume = (self.epoch, list(state["consumed"]), int(state["steps"]))
             self._tail_resume = tail
+            self._order_resume = state.get("order_digest")
+            if self._order_resume is not None and not isinstance(self._order_resume, str):
+                raise ResumeStateError(f"rank {self.rank}: the state's order_digest is not a string",
+                                       field="order_digest", rank=self.rank)
         else:
             merged, share = plan_resume(self.sampler, self.rank, self.world_size, self.config.seed, state)
             if not deals_views(merged, self.config.shared_tail):  # a pooled epoch's start: whole, pool cut anew
                 share = None
             self.epoch = merged.epoch
             self._resume = (self.epoch, [], merged.steps)
-            self._tail_resume = None
+            self._tail_resume = self._order_resume = None  # the order is dealt anew
         if share is not None or self._elastic is not None:
             self.close()  # the collate process holds the sampler it started with
         self._elastic = share
@@ -447,6 +455,7 @@ class ODBDataLoader:
         _, consumed, steps = self._resume
         self._consumed, self._steps = list(consumed), steps
         self._tail = self._tail_resume or TailPosition(0, ())
+        self._order = self._order_resume
         self._recent.clear()
         self._stream_point = self._stream_start
 
@@ -503,12 +512,13 @@ class ODBDataLoader:
             skip, first_step, start, self._stream_point = [], 0, None, None
             self._consumed_ids = []
         tail, self._tail = self._tail_resume, self._tail_resume or TailPosition(0, ())
-        self._resume = self._stream_start = self._tail_resume = None
+        order, self._order = self._order_resume, None
+        self._resume = self._stream_start = self._tail_resume = self._order_resume = None
         self._consumed, self._steps = list(skip), first_step
         self._recent.clear()
         pending = (0, 0)  # positions and steps of skipped idle steps, charged to the next yield
         self._ctrl.put(StartEpoch(epoch, tuple(skip), first_step, self._serial, start, tuple(self._consumed_ids),
-                                  None if tail is None else (tail.cursor, tail.claimed)))
+                                  None if tail is None else (tail.cursor, tail.claimed), order))
         self._serial += 1
         self._epoch_open = True
         while True:
@@ -522,6 +532,7 @@ class ODBDataLoader:
             skipped = item.info.is_idle and self.skip_idle
             batch = self._pinned(item) if self.pin_memory and not skipped else item.batch  # before any state
             self._consumed.extend(item.positions)
+            self._order = item.order
             if item.tail is not None:  # a pooled epoch: the pool's position after this step's round
                 self._tail = TailPosition(item.tail[0], self._tail.claimed + item.tail[1])
             if isinstance(self.sampler, StreamSampler) and self.sampler.element_id is not None:

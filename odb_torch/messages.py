@@ -37,6 +37,9 @@ class StartEpoch:
     tail: tuple[int, tuple[int, ...]] | None = None
     """A pooled epoch resumed mid-epoch: the pool's cursor and this rank's claims at the
     checkpoint (:class:`odb_core.tail.TailPosition`)."""
+    order: str | None = None
+    """A resumed epoch: the digest of the sampler order its state's positions index
+    (:func:`odb_core.elastic.order_digest`); the collate process refuses another order."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,8 @@ class Batch:
     tail: tuple[int, tuple[int, ...]] | None = None
     """A pooled epoch: the pool's cursor after this batch's round and the pool views this rank
     claimed since its previous batch (for ``state_dict``)."""
+    order: str | None = None
+    """The digest of the epoch's sampler order the positions index (map-style samplers; for ``state_dict``)."""
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,7 @@ def _reader(chunks: list[list[Any]]) -> Any:
     reader.rank, reader.timeout, reader._it = 0, 1.0, iter((chunk, 0, None) for chunk in chunks)
     reader._buffer, reader.position, reader.count, reader.first = deque(), 0, None, END
     reader._points = deque()  # a plain generator: no dataset state
+    reader.expect, reader.key = {}, None  # no element_id
     return reader
 
 
