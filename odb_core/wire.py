@@ -228,6 +228,8 @@ def _headers_fast(vectors: Sequence[Sequence[int]], iteration: int, rnd: int, le
                 raise _Slow
         elif groups or (status in (Status.FINISHED, Status.IDLE) and (samples or tokens)):
             raise _Slow
+        if tokens and not samples:  # loss tokens without samples: decode_header names it
+            raise _Slow
         headers.append(Header(it, rn, status, groups, capacity, samples, tokens))
     return headers
 

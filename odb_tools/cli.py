@@ -348,7 +348,9 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
                    help="a transformers config JSON, a transformers model type (llama, qwen2, ...) or module:callable")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override (model type / JSON) or a keyword of the callable; repeatable")
-    p.add_argument("--memory", required=True, help="the memory limit: peak RSS on CPU, peak allocated on GPU (24GiB, 800MB)")
+    p.add_argument("--memory", required=True, help="the memory limit: peak RSS on CPU, peak allocated of one step on GPU "
+                   "(24GiB, 800MB); give a GPU room beyond it: a run's changing shapes fragment the "
+                   "allocator's cache (on an H100, a budget tuned at 90%% of the card ran out of memory in training)")
     p.add_argument("--max-length", type=at_least(1), required=True, help="the cut-off: the longest sample, in tokens")
     p.add_argument("--budget", choices=BUDGETS, default="padded", help="ODBConfig.budget (default padded)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when available")

@@ -2,9 +2,10 @@
 built into an :class:`~odb_torch.ODBDataLoader`.
 
 ``from_dataloader(dl, token_budget=8192)`` reads the DataLoader's public fields and keeps
-what it can: the dataset, ``collate_fn``, ``num_workers``, ``prefetch_factor``, the worker
-start method and ``timeout``. Its fixed ``batch_size`` is what ODB replaces (token-budgeted
-groups). The sampler is kept when it already is this rank's shard (a ``DistributedSampler``
+what it can: the dataset, ``collate_fn``, ``num_workers``, ``prefetch_factor`` and the worker
+start method (not ``timeout``, a worker's batch deadline: ODB's ``timeout`` bounds how long a
+rank waits for its peers, so ODB's default stays unless given). Its fixed ``batch_size`` is what
+ODB replaces (token-budgeted groups). The sampler is kept when it already is this rank's shard (a ``DistributedSampler``
 of this group, or any sampler when training alone); torch's ``SequentialSampler`` and
 ``RandomSampler`` become ODB's ``DistributedSampler`` (``shuffle`` False / True, seeded by
 ODB's ``seed``), so every rank trains its own shard and a resume replays the same order.

@@ -429,13 +429,13 @@ class ODBDataLoader:
             check_order(state, self.sampler, self.rank)
             share = rank_share(state)
             check_state_total(state, self.sampler, share, self.rank)
+            if state.get("order_digest") is not None and not isinstance(state["order_digest"], str):
+                raise ResumeStateError(f"rank {self.rank}: the state's order_digest is not a string",
+                                       field="order_digest", rank=self.rank)
             self.epoch = int(state["epoch"])
             self._resume = (self.epoch, list(state["consumed"]), int(state["steps"]))
             self._tail_resume = tail
             self._order_resume = state.get("order_digest")
-            if self._order_resume is not None and not isinstance(self._order_resume, str):
-                raise ResumeStateError(f"rank {self.rank}: the state's order_digest is not a string",
-                                       field="order_digest", rank=self.rank)
         else:
             merged, share = plan_resume(self.sampler, self.rank, self.world_size, self.config.seed, state)
             if not deals_views(merged, self.config.shared_tail):  # a pooled epoch's start: whole, pool cut anew

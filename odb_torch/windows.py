@@ -57,7 +57,8 @@ class AccumulationWindows:
     that restores its own count of micro-batches on resume and steps where that count says
     (Lightning): a state taken inside a window hands its micro-batches back (their gradients
     were lost), and the first window after the resume holds the K - h micro-batches the
-    trainer still counts to its step (h handed back), so later windows end where it steps,
+    trainer still counts to its step (its count past its last step, ``phase`` in the state:
+    h handed back, plus any it counted before an earlier such resume), so later windows end where it steps,
     each weighted exactly over its own tokens (P7).
 
     :meth:`state_dict` (at the start of the current window), restored with :meth:`load_state_dict` before
@@ -81,6 +82,7 @@ class AccumulationWindows:
         self.pad_last_window = pad_last_window
         self.keep_phase = keep_phase
         self._first_window = 0  # after a keep_phase resume inside a window: the first window's size
+        self._phase0 = 0  # the trainer's count past its last step when the current window began (keep_phase)
         self.epoch = 0
         self.epochs_completed = 0
         self.samples_seen = 0
@@ -146,6 +148,7 @@ class AccumulationWindows:
         k = self.accumulation_steps
         while nxt is not None:
             size, first = first or k, 0
+            self._phase0 = k - size  # a shortened first window: the trainer counted the rest before the resume
             window: list[tuple[Any, StepInfo]] = []
             while nxt is not None and len(window) < size:
                 window.append(nxt)
@@ -193,6 +196,7 @@ class AccumulationWindows:
         return {"epoch": self.epoch, "epochs_completed": self.epochs_completed, "samples_seen": self.samples_seen,
                 "tokens_seen": self.tokens_seen, "updates": self.updates, "samples_in_epoch": self.samples_in_epoch,
                 "at_epoch_end": self.at_epoch_end, "mid_window": self._mid_window, "window": tuple(self._window),
+                "phase0": self._phase0,
                 "read_ahead": self._read_ahead, "pulled": self._pulled}
 
     def state_dict(self, ahead: int = 0) -> dict[str, Any]:
@@ -211,16 +215,19 @@ class AccumulationWindows:
                              "handed back")
         c = self._before[-ahead] if ahead else self._counters()
         handed, samples, tokens = c["window"] if c["mid_window"] else (0, 0, 0)
+        phase = c["phase0"] + handed if c["mid_window"] else 0
         # unconsumed: what was pulled and not handed out then, its window's micro-batches handed out
         # before it (mid-window), and every batch pulled since (later windows' reads)
         unconsumed = c["read_ahead"] + handed + self._pulled - c["pulled"]
         loader_state = None if c["at_epoch_end"] else self.loader.state_dict(unconsumed=unconsumed)
         if self._resume is not None:  # restored and not iterated since: hand the same state on
             loader_state, handed = self._resume.get("loader"), int(self._resume.get("handed", 0))
+            phase = int(self._resume.get("phase", handed))
         return {"version": 1, "epoch": c["epoch"], "epochs_completed": c["epochs_completed"],
                 "samples_seen": c["samples_seen"] - samples, "tokens_seen": c["tokens_seen"] - tokens,
                 "updates": c["updates"], "samples_in_epoch": c["samples_in_epoch"] - samples,
-                "accumulation_steps": self.accumulation_steps, "loader": loader_state, "handed": handed}
+                "accumulation_steps": self.accumulation_steps, "loader": loader_state, "handed": handed,
+                "phase": phase}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`; the next ``iter()`` continues that epoch."""
@@ -228,10 +235,11 @@ class AccumulationWindows:
             raise ResumeStateError(f"state was taken with accumulation_steps={state.get('accumulation_steps')}, "
                                    f"these windows use {self.accumulation_steps}", field="accumulation_steps",
                                    rank=self.loader.rank)
-        handed = state.get("handed", 0)
-        if not isinstance(handed, int) or not 0 <= handed < self.accumulation_steps:
-            raise ResumeStateError(f"state hands back {handed!r} micro-batches of its window: not in "
-                                   f"0..{self.accumulation_steps - 1}", field="handed", rank=self.loader.rank)
+        handed, phase = state.get("handed", 0), state.get("phase", state.get("handed", 0))
+        for key, value in (("handed", handed), ("phase", phase)):
+            if not isinstance(value, int) or not 0 <= value < self.accumulation_steps:
+                raise ResumeStateError(f"state's {key}={value!r} (micro-batches of its window) is not in "
+                                       f"0..{self.accumulation_steps - 1}", field=key, rank=self.loader.rank)
         self.epoch = int(state["epoch"])
         self.epochs_completed = int(state["epochs_completed"])
         self.samples_seen = int(state["samples_seen"])
@@ -244,7 +252,7 @@ class AccumulationWindows:
         self._read_ahead = 0
         self._before.clear()
         self._resume = dict(state)
-        self._first_window = self.accumulation_steps - handed if self.keep_phase and handed else 0
+        self._first_window = self.accumulation_steps - phase if self.keep_phase and phase else 0
 
 
 def state_file(folder: str, rank: int) -> str:
@@ -269,7 +277,7 @@ def save_windows_state(windows: AccumulationWindows, folder: str) -> str:
 
 
 COUNTERS = ("epoch", "epochs_completed", "samples_seen", "tokens_seen", "updates", "samples_in_epoch",
-            "accumulation_steps", "handed")
+            "accumulation_steps", "handed", "phase")
 """Window state fields that count over every rank, hence equal in every rank's state."""
 
 
@@ -342,7 +350,7 @@ def _load_rank_state(windows: AccumulationWindows, folder: str) -> None:
         by_world = {w: [r for r, v in of_world.items() if v == w] for w in set(of_world.values()) - {None}}
         raise CheckpointStateError(f"rank {rank}: checkpoint {folder} holds ODB states of several world sizes "
                                    f"(ranks by world size: {by_world}), so of several runs: resume from a folder "
-                                   "holding one save's states", rank=rank)
+                                   "holding one save's states", rank=rank, ranks=sorted(of_world))
     worlds = set(of_world.values()) - {None, world}
     if worlds or (states and rank not in states and len(states) != world):
         with loading_state(f"{folder} (resuming {len(states)} ranks' states on {world})", rank):

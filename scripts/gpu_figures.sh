@@ -61,10 +61,11 @@ print({k: r[k] for k in ('token_budget', 'next_budget', 'limit_bytes')}, [(b['to
 done
 budget=$($PY -c "import json, sys; print(json.load(open(sys.argv[1]))['token_budget'])" "$OUT/tune_padded.json")
 for conf in expandable_segments:True default; do  # varying shapes fragment the default allocator's cache
-  SECONDS=0
+  SECONDS=0; rows=$(wc -l <"$OUT/tuned_rows.jsonl")
   env PYTORCH_CUDA_ALLOC_CONF="${conf/default/}" timeout 40 $PY benchmarks/bench_gpu.py "${TUNED[@]}" \
     --token-budget "$budget" --methods odb --samples 1024 --rows-to "$OUT/tuned_rows.jsonl" >/dev/null 2>>"$OUT/errors.txt"
   echo "ODB padded at tune's budget $budget, allocator $conf: exit $? after $SECONDS s"
+  [[ $(wc -l <"$OUT/tuned_rows.jsonl") -gt $rows ]] || { echo "no row: the run ended before its first row"; continue; }
   $PY -c "import json, sys; row = json.loads(open(sys.argv[1]).read().splitlines()[-1])
 limit, oom, peak = json.load(open(sys.argv[2]))['limit_bytes'], row['out_of_memory'], row['peak_memory_bytes']
 print(f'peak {peak:,} bytes, limit {limit:,}:', f'OUT OF MEMORY at step {oom[\"step\"]}, batch {oom[\"shape\"]}' if oom

@@ -311,3 +311,37 @@ def test_a_distributed_sampler_resumed_mid_epoch_keeps_its_order_and_trains_ever
     finally:
         resumed.close()
     assert sorted(seen + rest) == list(range(40))
+
+
+@pytest.mark.timeout(120)
+def test_a_custom_random_sampler_resumed_at_its_epochs_end_trains_nothing_more():
+    """A state taken after the epoch's last batch (every view consumed) has nothing left to order:
+    the order check refused it (a regression of the check, found in review), though "resume at an
+    epoch boundary" is the remedy it names."""
+    import torch
+    from torch.utils.data import DataLoader, SubsetRandomSampler
+
+    from odb_torch import from_dataloader
+
+    def make() -> ODBDataLoader:
+        dl = DataLoader(ToyDataset(40), batch_size=4, sampler=SubsetRandomSampler(list(range(40))),
+                        collate_fn=pad_collate)
+        return from_dataloader(dl, token_budget=128, buffer_size=4, rank=0, world_size=1)
+
+    torch.manual_seed(0)
+    first = make()
+    try:
+        for epoch in (0, 1):
+            first.set_epoch(epoch)
+            for _ in first:
+                pass
+        state = json.loads(json.dumps(first.state_dict()))
+    finally:
+        first.close()
+    assert state["epoch"] == 1 and len(state["consumed"]) == 40
+    resumed = make()
+    try:
+        resumed.load_state_dict(state)
+        assert list(resumed) == []
+    finally:
+        resumed.close()

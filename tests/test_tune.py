@@ -127,3 +127,15 @@ def test_a_misspelt_config_override_is_a_value_error_not_a_silently_default_mode
     gpt2 = build_model("gpt2", {"hidden_size": 24, "n_head": 2, "num_hidden_layers": 1, "vocab_size": 100,
                                 "attn_implementation": "eager"})
     assert (gpt2.config.n_embd, gpt2.config.n_layer, gpt2.config._attn_implementation) == (24, 1, "eager")
+
+
+def test_a_bug_inside_the_model_factory_keeps_its_own_error_and_traceback():
+    """A TypeError raised inside the user's factory was reported as a --set problem (a ValueError,
+    its traceback dropped); only keywords the factory does not take are bad input now."""
+    from odb_tools.tune.model import build_model
+
+    with pytest.raises(TypeError) as err:
+        build_model("tune_support:broken_factory")
+    assert err.traceback[-1].name != "build_model", "the factory's own frame is kept"
+    with pytest.raises(ValueError, match="with --set"):
+        build_model("tune_support:broken_factory", {"bogus": 1})

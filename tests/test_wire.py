@@ -143,3 +143,12 @@ def test_a_step_gather_with_more_loss_tokens_than_its_header_held_is_refused_on_
         StepGather(gathered, headers, 1)
     fine = [[1, 5], [0, 0]]
     assert StepGather(struct.pack("<4q", *fine[0], *fine[1]) if raw else fine, headers, 1).global_tokens == [5]
+
+
+def test_a_gather_with_loss_tokens_but_no_samples_is_refused_on_the_fast_path_too():
+    """The check was added to decode_header only: HeaderGather's one-pass decoder (every round's,
+    without a shared tail) accepted a waiting header with 10^12 tokens and no samples."""
+    from odb_core.wire import decode_headers
+
+    with pytest.raises(PeerInconsistencyError, match="rank 1 reports 1000000000000 loss tokens"):
+        decode_headers([[0, 0, 0, 0, 0, 3, 30], [0, 0, 0, 0, 0, 0, 10**12]], 2, 0, 0)

@@ -11,3 +11,10 @@ from odb_tools.demo.model import ModelConfig, TinyCausalLM
 
 def tiny_lm(vocab_size: int = 4096) -> nn.Module:
     return TinyCausalLM(ModelConfig(vocab_size=vocab_size, max_length=4096, d_model=32, n_layers=1, n_heads=2))
+
+
+def broken_factory() -> nn.Module:
+    """A model factory with a bug of its own (a TypeError inside its body)."""
+    import torch
+
+    return torch.nn.Linear(4, "2")  # type: ignore[arg-type]

@@ -8,7 +8,9 @@
   the same state, unpolluted by earlier ones; it runs on one thread (a forked process cannot
   use the parent's OpenMP pool), which changes no tensor's size. A child killed
   (out of memory) or raising counts as not fitting, with the reason.
-* GPU: in process, ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``;
+* GPU: in process, ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``
+  (one step from an emptied cache: a training run's changing shapes also fragment the caching
+  allocator, so a run needs room beyond it, README "odb tune");
   ``torch.cuda.OutOfMemoryError`` counts as not fitting.
 
 With an optimizer, the step runs twice so the second runs with its state resident (AdamW:

@@ -49,11 +49,13 @@ def build_model(spec: ModelSpec, overrides: Mapping[str, Any] | None = None) -> 
             factory = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"model {spec!r}: cannot import {name!r} from {module!r}: {exc}") from None
-        try:
-            built = factory(**dict(overrides or {}))
-        except TypeError as exc:  # a --set keyword the callable does not take
+        try:  # a --set keyword the callable does not take: bad input (its own errors go on as they are)
+            inspect.signature(factory).bind(**dict(overrides or {}))
+        except TypeError as exc:
             raise ValueError(f"model {spec!r} with --set {dict(overrides or {})}: {exc}") from None
-        return _checked(built, spec)
+        except ValueError:  # no signature to read (a builtin): call it and let it say
+            pass
+        return _checked(factory(**dict(overrides or {})), spec)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if Path(spec).is_file():

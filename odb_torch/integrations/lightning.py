@@ -159,7 +159,8 @@ class ODBLightningCallback(Callback):
         limit = trainer.limit_train_batches
         if not (isinstance(limit, float) and limit == 1.0):
             raise UnsupportedSettingError(
-                f"Trainer(limit_train_batches={limit!r}): ODB's epochs end when the data does; a limited epoch "
+                f"Trainer(limit_train_batches={limit!r}) (fast_dev_run sets it too): ODB's epochs end when the "
+                "data does; a limited epoch "
                 "would start the same epoch (the same samples) again each time, as the loader's windows count "
                 "epochs by their end. Use max_steps to end a run early, or a smaller dataset (torch.utils.data."
                 "Subset) for a short epoch", field="limit_train_batches")
