@@ -171,6 +171,7 @@ class AccumulationWindows:
                     self._count(item.info.global_samples, item.info.global_tokens)
                 self._mid_window = not item.last_in_window
                 if item.last_in_window:
+                    self._phase0 = 0  # the trainer steps here: its count starts again
                     self.updates += 1
                     self._window = [0, 0, 0]
                     if nxt is None:
@@ -215,7 +216,7 @@ class AccumulationWindows:
                              "handed back")
         c = self._before[-ahead] if ahead else self._counters()
         handed, samples, tokens = c["window"] if c["mid_window"] else (0, 0, 0)
-        phase = c["phase0"] + handed if c["mid_window"] else 0
+        phase = c["phase0"] + handed  # phase0 is 0 past a window's end (the trainer stepped)
         # unconsumed: what was pulled and not handed out then, its window's micro-batches handed out
         # before it (mid-window), and every batch pulled since (later windows' reads)
         unconsumed = c["read_ahead"] + handed + self._pulled - c["pulled"]

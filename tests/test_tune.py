@@ -139,3 +139,28 @@ def test_a_bug_inside_the_model_factory_keeps_its_own_error_and_traceback():
     assert err.traceback[-1].name != "build_model", "the factory's own frame is kept"
     with pytest.raises(ValueError, match="with --set"):
         build_model("tune_support:broken_factory", {"bogus": 1})
+
+
+def test_a_wrapped_factory_takes_the_keywords_its_wrapper_adds():
+    """The --set check read the wrapped function's signature (inspect follows __wrapped__), so a
+    decorator adding its own keyword (dtype=) was refused although calling it works."""
+    import functools
+
+    from odb_tools.tune import model as tune_model
+
+    def base() -> torch.nn.Module:
+        return torch.nn.Linear(2, 2)
+
+    @functools.wraps(base)
+    def wrapper(*args: Any, dtype: str | None = None, **kw: Any) -> torch.nn.Module:
+        return base(*args, **kw).to(getattr(torch, dtype or "float32"))
+
+    assert isinstance(tune_model.build_model(wrapper, None), torch.nn.Module)
+    module = type(sys)("wrapped_factories")
+    module.wrapper = wrapper  # type: ignore[attr-defined]
+    sys.modules["wrapped_factories"] = module
+    try:
+        built = tune_model.build_model("wrapped_factories:wrapper", {"dtype": "float64"})
+    finally:
+        del sys.modules["wrapped_factories"]
+    assert next(built.parameters()).dtype == torch.float64

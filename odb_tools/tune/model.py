@@ -50,7 +50,7 @@ def build_model(spec: ModelSpec, overrides: Mapping[str, Any] | None = None) -> 
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"model {spec!r}: cannot import {name!r} from {module!r}: {exc}") from None
         try:  # a --set keyword the callable does not take: bad input (its own errors go on as they are)
-            inspect.signature(factory).bind(**dict(overrides or {}))
+            inspect.signature(factory, follow_wrapped=False).bind(**dict(overrides or {}))  # a wrapper's own
         except TypeError as exc:
             raise ValueError(f"model {spec!r} with --set {dict(overrides or {})}: {exc}") from None
         except ValueError:  # no signature to read (a builtin): call it and let it say
