@@ -78,47 +78,52 @@ class Header(NamedTuple):
         return head if length == HEADER_LEN else [*head, self.pending, self.load, self.room]
 
 
-def _check_ints(vector: Sequence[int], what: str, length: int) -> list[int]:
+def _check_ints(vector: Sequence[int], what: str, length: int, rank: int | None = None) -> list[int]:
+    """``vector`` as ints: ``length`` integers in [0, 2^63), else :class:`WireFormatError`
+    naming the field (``rank``: the rank whose vector it is)."""
     try:
         n = len(vector)
         out = [int(v) for v in vector]
     except (TypeError, ValueError) as exc:  # not a sequence, None, NaN, a string that is no number
-        raise WireFormatError(f"{what}: not a vector of integers ({type(exc).__name__}: {exc})") from None
+        raise WireFormatError(f"{what}: not a vector of integers ({type(exc).__name__}: {exc})",
+                              rank=rank) from None
     if n != length:
-        raise WireFormatError(f"{what}: expected {length} int64 values, got {n}")
+        raise WireFormatError(f"{what}: expected {length} int64 values, got {n}", rank=rank)
     if out != list(vector):  # a float truncated, a numeric string: name the first such field
         i = next(i for i, (a, b) in enumerate(zip(out, vector)) if a != b or isinstance(b, str))
-        raise WireFormatError(f"{what}: field {i} is {vector[i]!r}, not an integer")
+        raise WireFormatError(f"{what}: field {i} is {vector[i]!r}, not an integer", rank=rank)
     if out and (min(out) < 0 or max(out) > INT64_MAX):  # C-level scan; name the first bad field
         for i, v in enumerate(out):
             if not 0 <= v <= INT64_MAX:
-                raise WireFormatError(f"{what}: field {i} is {v}, outside [0, 2^63)")
+                raise WireFormatError(f"{what}: field {i} is {v}, outside [0, 2^63)", rank=rank)
     return out
 
 
 def decode_header(vector: Sequence[int], rank: int, length: int = HEADER_LEN) -> Header:
     """Decode and check rank ``rank``'s header of ``length`` values; raise if malformed or
     self-contradicting."""
-    values = _check_ints(vector, f"rank {rank} header", length)
+    values = _check_ints(vector, f"rank {rank} header", length, rank)
     it, rnd, status_code, groups, capacity, samples, tokens = values[:HEADER_LEN]
     pending, load, room = values[HEADER_LEN:] or (0, 0, 0)
     status = _STATUS.get(status_code)
     if status is None:
-        raise WireFormatError(f"rank {rank} header: unknown status {status_code}")
+        raise WireFormatError(f"rank {rank} header: unknown status {status_code}", rank=rank)
     if status in (Status.FINISHED, Status.IDLE) and (groups or samples or tokens or pending or load or room):
         raise PeerInconsistencyError(
             f"rank {rank} reports {status.name.lower()} while holding {samples} samples in {groups} groups "
-            f"({pending} pending)"
-        )
+            f"({pending} pending)", rank=rank)
     if (tokens or load) and not samples:
-        raise PeerInconsistencyError(f"rank {rank} reports {tokens} loss tokens and a load of {load} without samples")
+        raise PeerInconsistencyError(f"rank {rank} reports {tokens} loss tokens and a load of {load} without samples",
+                                     rank=rank)
     if room and (pending or not samples):
         raise PeerInconsistencyError(f"rank {rank} reports {room} room in held groups with {samples} samples "
-                                     f"and {pending} pending (room is reported only with every view arrived)")
+                                     f"and {pending} pending (room is reported only with every view arrived)",
+                                     rank=rank)
     if status is Status.WAITING and groups:
-        raise PeerInconsistencyError(f"rank {rank} reports waiting with {groups} groups")
+        raise PeerInconsistencyError(f"rank {rank} reports waiting with {groups} groups", rank=rank)
     if status is Status.READY and not 1 <= groups <= samples:
-        raise PeerInconsistencyError(f"rank {rank} reports ready with {groups} groups over {samples} samples")
+        raise PeerInconsistencyError(f"rank {rank} reports ready with {groups} groups over {samples} samples",
+                                     rank=rank)
     return Header(it, rnd, status, groups, capacity, samples, tokens, pending, load, room)
 
 
@@ -136,8 +141,8 @@ def decode_headers(vectors: Sequence[Sequence[int]], world: int, iteration: int,
     for r, h in enumerate(headers):
         if (h.iteration, h.round) != (iteration, rnd):
             raise PeerInconsistencyError(
-                f"rank {r} is at iteration {h.iteration} round {h.round}, expected iteration {iteration} round {rnd}"
-            )
+                f"rank {r} is at iteration {h.iteration} round {h.round}, expected iteration {iteration} round {rnd}",
+                rank=r)
     return headers
 
 
@@ -251,17 +256,19 @@ def decode_steps(
         raise WireFormatError(f"step gather: expected {len(headers)} vectors, got {len(vectors)}")
     decoded: list[list[tuple[int, int]]] = []
     for r, (vector, header) in enumerate(zip(vectors, headers)):
-        flat = _check_ints(vector, f"rank {r} step vector", 2 * target)
+        flat = _check_ints(vector, f"rank {r} step vector", 2 * target, r)
         pairs = list(zip(flat[0::2], flat[1::2]))
         if header.status is Status.READY:
             if any(n < 1 for n, _ in pairs):
-                raise PeerInconsistencyError(f"rank {r} was ready but sent an empty item")
+                raise PeerInconsistencyError(f"rank {r} was ready but sent an empty item", rank=r)
             if sum(n for n, _ in pairs) > header.samples:
-                raise PeerInconsistencyError(f"rank {r} emitted more samples than the {header.samples} it held")
+                raise PeerInconsistencyError(f"rank {r} emitted more samples than the {header.samples} it held",
+                                             rank=r)
             if sum(t for _, t in pairs) > header.tokens:
-                raise PeerInconsistencyError(f"rank {r} emitted more loss tokens than the {header.tokens} it held")
+                raise PeerInconsistencyError(f"rank {r} emitted more loss tokens than the {header.tokens} it held",
+                                             rank=r)
         elif any(n or t for n, t in pairs):
-            raise PeerInconsistencyError(f"rank {r} was not ready but sent a non-idle item")
+            raise PeerInconsistencyError(f"rank {r} was not ready but sent a non-idle item", rank=r)
         decoded.append(pairs)
     return decoded
 

@@ -152,3 +152,23 @@ def test_a_gather_with_loss_tokens_but_no_samples_is_refused_on_the_fast_path_to
 
     with pytest.raises(PeerInconsistencyError, match="rank 1 reports 1000000000000 loss tokens"):
         decode_headers([[0, 0, 0, 0, 0, 3, 30], [0, 0, 0, 0, 0, 0, 10**12]], 2, 0, 0)
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_wire_errors_carry_the_rank_whose_vector_is_wrong(raw):
+    """Every error names the rank in its message; its ``rank`` attribute was None."""
+    import struct
+
+    from odb_core.wire import HeaderGather, StepGather, decode_headers
+
+    with pytest.raises(WireFormatError) as header:
+        decode_headers([[0, 0, 1, 1, 0, 2, 5], [0, 0, 9, 0, 0, 0, 0]], 2, 0, 0)
+    assert header.value.rank == 1
+    with pytest.raises(PeerInconsistencyError) as stale:
+        decode_headers([[0, 0, 1, 1, 0, 2, 5], [0, 1, 1, 1, 0, 2, 5]], 2, 0, 0)
+    assert stale.value.rank == 1
+    headers = HeaderGather.decode([[0, 0, 0, 0, 0, 0, 0], [0, 0, 1, 1, 0, 2, 5]], 2, 0, 0)
+    vectors = [[0, 0], [3, 5]]  # rank 1 emits 3 samples of the 2 it held
+    with pytest.raises(PeerInconsistencyError) as steps:
+        StepGather(struct.pack("<4q", *vectors[0], *vectors[1]) if raw else vectors, headers, 1)
+    assert steps.value.rank == 1
