@@ -21,7 +21,7 @@ with its :class:`~odb_core.tail.TailPosition` (:func:`tail_resume`).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -68,10 +68,9 @@ class GlobalState:
     def digest(self) -> str:
         """A short hash of :meth:`to_dict`: ranks that resume one state agree on it, so comparing it
         at the epoch's handshake finds ranks handed different checkpoints (P4 across the resume)."""
-        import hashlib
         import json
 
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+        return _short_hash(json.dumps(self.to_dict(), sort_keys=True).encode())
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able form, accepted by :func:`global_state_from` and ``ODBDataLoader.load_state_dict``."""
@@ -331,6 +330,9 @@ def check_own_state(state: Mapping[str, Any], rank: int, seed: int) -> None:
             raise ResumeStateError(f"rank {rank}: the state's {key}={state[key]!r} is not this loader's {mine!r}",
                                    field=key, ranks=[int(state["rank"])], rank=rank)
     consumed = check_counts(state, rank)
+    if not isinstance(state.get("order_digest", ""), (str, type(None))):
+        raise ResumeStateError(f"rank {rank}: the state's order_digest is not a string", field="order_digest",
+                               rank=rank)
     if state.get("views") is not None:
         views, total = [int(g) for g in state["views"]], int(state.get("total", -1))
         outside = sorted({g for g in views if not 0 <= g < total} | {g for g, c in Counter(views).items() if c > 1})
@@ -340,26 +342,30 @@ def check_own_state(state: Mapping[str, Any], rank: int, seed: int) -> None:
         check_positions(consumed, len(views), rank)
 
 
-def order_digest(views: Sequence[int], pool: Sequence[int] = ()) -> str:
-    """A short hash of an epoch's sampler order (this rank's views, then the pool's): a state's
-    positions index it, so a resume over another order would train some samples twice and others
-    never (P4). It is recorded with the state and compared when the resumed epoch starts."""
+def _short_hash(data: bytes) -> str:
     import hashlib
+
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def resumed_order(recorded: str | None, views: Sequence[int], pool: Sequence[int], consumed: Collection[int],
+                  rank: int) -> str:
+    """The digest of an epoch's sampler order (this rank's views, then the pool's), which a state's
+    positions index: recorded with the state, and for a resumed epoch with views left (a pool, or
+    fewer ``consumed`` positions than views) compared with the ``recorded`` one (None: nothing
+    recorded). Another order would train some samples twice and others never (P4):
+    :class:`ResumeStateError` (``field="sampler"``). At the epoch's end nothing is left to order."""
     from array import array
 
-    return hashlib.sha256(array("q", [*views, -1, *pool]).tobytes()).hexdigest()[:16]
-
-
-def check_order_digest(recorded: str | None, found: str, rank: int) -> None:
-    """:class:`ResumeStateError` (``field="sampler"``) unless the resumed epoch's order is the one
-    the state recorded (``recorded`` None: nothing recorded, nothing to check)."""
-    if recorded is not None and recorded != found:
+    found = _short_hash(array("q", [*views, -1, *pool]).tobytes())
+    if recorded is not None and recorded != found and (pool or len(consumed) < len(views)):
         raise ResumeStateError(
             f"rank {rank}: the sampler's order of the resumed epoch is not the one the checkpoint's positions "
             "index (a sampler that draws from a random generator whose state the restart does not restore, "
             "such as SubsetRandomSampler or WeightedRandomSampler, or another dataset): resuming would train "
             "some samples twice and others never; resume at an epoch boundary, or give the sampler an order "
             "fixed by its epoch (set_epoch)", field="sampler", ranks=[rank], rank=rank)
+    return found
 
 
 def check_positions(consumed: Iterable[int], positions: int, rank: int) -> None:

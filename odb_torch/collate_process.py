@@ -38,7 +38,7 @@ from torch.distributed import ProcessGroupGloo, TCPStore  # type: ignore[attr-de
 from torch.utils.data import DataLoader, Dataset
 
 from odb_core import ODBConfig, ODBError
-from odb_core.elastic import check_order_digest, epoch_pool, order_digest
+from odb_core.elastic import epoch_pool, resumed_order
 from odb_core.epoch import Delivery, EpochDriver, LoopEnd
 from odb_core.errors import (
     CollateFnError,
@@ -416,9 +416,7 @@ class CollateServer:
             views, pool = tail_shares(base, spec.rank, spec.world, epoch or 0, spec.config.shared_tail)
         else:
             views, pool = [int(i) for i in self.sampler], []
-        self._order = order_digest(views, pool)
-        if pool or len(driver.skip) < len(views):  # a resume with views left over the order it recorded (one at
-            check_order_digest(self._expect_order, self._order, spec.rank)  # its epoch's end trains nothing)
+        self._order = resumed_order(self._expect_order, views, pool, driver.skip, spec.rank)
         self._expect_order = None
         driver.start_iteration(views, pool)
         self._close_loading()

@@ -429,9 +429,6 @@ class ODBDataLoader:
             check_order(state, self.sampler, self.rank)
             share = rank_share(state)
             check_state_total(state, self.sampler, share, self.rank)
-            if state.get("order_digest") is not None and not isinstance(state["order_digest"], str):
-                raise ResumeStateError(f"rank {self.rank}: the state's order_digest is not a string",
-                                       field="order_digest", rank=self.rank)
             self.epoch = int(state["epoch"])
             self._resume = (self.epoch, list(state["consumed"]), int(state["steps"]))
             self._tail_resume = tail

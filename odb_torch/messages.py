@@ -39,7 +39,7 @@ class StartEpoch:
     checkpoint (:class:`odb_core.tail.TailPosition`)."""
     order: str | None = None
     """A resumed epoch: the digest of the sampler order its state's positions index
-    (:func:`odb_core.elastic.order_digest`); the collate process refuses another order."""
+    (:func:`odb_core.elastic.resumed_order`); the collate process refuses another order."""
 
 
 @dataclass(frozen=True)

@@ -222,13 +222,11 @@ class AccumulationWindows:
         unconsumed = c["read_ahead"] + handed + self._pulled - c["pulled"]
         loader_state = None if c["at_epoch_end"] else self.loader.state_dict(unconsumed=unconsumed)
         if self._resume is not None:  # restored and not iterated since: hand the same state on
-            loader_state, handed = self._resume.get("loader"), int(self._resume.get("handed", 0))
-            phase = int(self._resume.get("phase", handed))
+            loader_state, phase = self._resume.get("loader"), int(self._resume.get("phase", 0))
         return {"version": 1, "epoch": c["epoch"], "epochs_completed": c["epochs_completed"],
                 "samples_seen": c["samples_seen"] - samples, "tokens_seen": c["tokens_seen"] - tokens,
                 "updates": c["updates"], "samples_in_epoch": c["samples_in_epoch"] - samples,
-                "accumulation_steps": self.accumulation_steps, "loader": loader_state, "handed": handed,
-                "phase": phase}
+                "accumulation_steps": self.accumulation_steps, "loader": loader_state, "phase": phase}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`; the next ``iter()`` continues that epoch."""
@@ -236,11 +234,10 @@ class AccumulationWindows:
             raise ResumeStateError(f"state was taken with accumulation_steps={state.get('accumulation_steps')}, "
                                    f"these windows use {self.accumulation_steps}", field="accumulation_steps",
                                    rank=self.loader.rank)
-        handed, phase = state.get("handed", 0), state.get("phase", state.get("handed", 0))
-        for key, value in (("handed", handed), ("phase", phase)):
-            if not isinstance(value, int) or not 0 <= value < self.accumulation_steps:
-                raise ResumeStateError(f"state's {key}={value!r} (micro-batches of its window) is not in "
-                                       f"0..{self.accumulation_steps - 1}", field=key, rank=self.loader.rank)
+        phase = state.get("phase", 0)  # the trainer's count past its last step (keep_phase)
+        if not isinstance(phase, int) or not 0 <= phase < self.accumulation_steps:
+            raise ResumeStateError(f"state's phase={phase!r} (micro-batches past the last step) is not in "
+                                   f"0..{self.accumulation_steps - 1}", field="phase", rank=self.loader.rank)
         self.epoch = int(state["epoch"])
         self.epochs_completed = int(state["epochs_completed"])
         self.samples_seen = int(state["samples_seen"])
@@ -278,7 +275,7 @@ def save_windows_state(windows: AccumulationWindows, folder: str) -> str:
 
 
 COUNTERS = ("epoch", "epochs_completed", "samples_seen", "tokens_seen", "updates", "samples_in_epoch",
-            "accumulation_steps", "handed", "phase")
+            "accumulation_steps", "phase")
 """Window state fields that count over every rank, hence equal in every rank's state."""
 
 

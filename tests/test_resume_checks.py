@@ -230,14 +230,14 @@ def test_states_of_several_world_sizes_without_this_worlds_whole_set_name_them(t
     assert "several world sizes" in str(err.value) and "{2: [0, 1], 4: [2]}" in str(err.value), err.value
 
 
-def test_another_accumulation_count_or_a_window_handed_back_beyond_it_is_a_resume_state_error(tmp_path):
+def test_another_accumulation_count_or_a_phase_beyond_it_is_a_resume_state_error(tmp_path):
     windows = AccumulationWindows(_loader(), 2)
     with pytest.raises(ResumeStateError) as err:
         windows.load_state_dict({**_window_state(_own()), "accumulation_steps": 4})
     assert (err.value.field, err.value.rank) == ("accumulation_steps", 0)
-    with pytest.raises(ResumeStateError) as handed:
-        windows.load_state_dict({**_window_state(_own()), "accumulation_steps": 2, "handed": 2})
-    assert handed.value.field == "handed"
+    with pytest.raises(ResumeStateError) as phase:
+        windows.load_state_dict({**_window_state(_own()), "accumulation_steps": 2, "phase": 2})
+    assert phase.value.field == "phase"
 
 
 @pytest.mark.timeout(120)

@@ -104,14 +104,14 @@ def test_windows_end_where_lightning_steps_across_any_resumes_and_train_each_pos
 
 
 def test_the_property_catches_windows_that_ignore_the_phase_of_an_earlier_resume(monkeypatch):
-    """Seeded bug: the state's phase is only the micro-batches handed back (the first fix)."""
-    real = AccumulationWindows.state_dict
+    """Seeded bug: the state's phase is only the micro-batches handed back (the first fix): the
+    count the trainer carried into a shortened window is forgotten."""
+    real = AccumulationWindows._counters
 
-    def handed_only(self: AccumulationWindows, ahead: int = 0) -> dict[str, Any]:
-        state = real(self, ahead)
-        return {**state, "phase": state["handed"]}
+    def handed_only(self: AccumulationWindows) -> dict[str, Any]:
+        return {**real(self), "phase0": 0}
 
-    monkeypatch.setattr(AccumulationWindows, "state_dict", handed_only)
+    monkeypatch.setattr(AccumulationWindows, "_counters", handed_only)
     try:
         test_windows_end_where_lightning_steps_across_any_resumes_and_train_each_position_once.hypothesis.inner_test(
             3, 12, [4, 1], 1)
