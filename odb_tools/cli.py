@@ -348,9 +348,8 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
                    help="a transformers config JSON, a transformers model type (llama, qwen2, ...) or module:callable")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override (model type / JSON) or a keyword of the callable; repeatable")
-    p.add_argument("--memory", required=True, help="the memory limit: peak RSS on CPU, peak allocated of one step on GPU "
-                   "(24GiB, 800MB); give a GPU room beyond it: a run's changing shapes fragment the "
-                   "allocator's cache (on an H100, a budget tuned at 90%% of the card ran out of memory in training)")
+    p.add_argument("--memory", required=True, help="the memory limit (24GiB, 800MB): of each shape's step, peak RSS on "
+                   "CPU, peak allocated on GPU; of the replay, peak RSS on CPU, peak reserved on GPU")
     p.add_argument("--max-length", type=at_least(1), required=True, help="the cut-off: the longest sample, in tokens")
     p.add_argument("--budget", choices=BUDGETS, default="padded", help="ODBConfig.budget (default padded)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when available")
@@ -361,6 +360,11 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     p.add_argument("--start", type=at_least(1), default=None, help="the first budget tried (default: --step)")
     p.add_argument("--max-budget", type=at_least(1), default=1 << 20)
     p.add_argument("--max-shapes", type=at_least(0), default=8, help="padded shapes measured per budget (0: the whole frontier)")
+    p.add_argument("--replay", type=at_least(0), default=None, metavar="STEPS",
+                   help="then run this many admitted shapes back to back at the budget found, lowering it until "
+                   "their peak fits too: a run's changing shapes fragment the allocator's cache (default: 16 on "
+                   "GPU, 0 (off) on CPU, where RSS grows with the replay's length)")
+    p.add_argument("--seed", type=int, default=0, help="the replay's shapes and order (default 0)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="model.gradient_checkpointing_enable() first")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_tune)
@@ -394,7 +398,8 @@ def _tune(args: argparse.Namespace) -> int:
         getattr(model, "gradient_checkpointing_enable")()  # noqa: B009 - not every nn.Module has it
     model.train()
     result = tune(model, limit, args.max_length, budget=args.budget, device=device, step=args.step, start=args.start,
-                  max_budget=args.max_budget, optimizer=args.optimizer, max_shapes=args.max_shapes or None)
+                  max_budget=args.max_budget, optimizer=args.optimizer, max_shapes=args.max_shapes or None,
+                  replay_steps=args.replay, seed=args.seed)
     print(json.dumps(result) if args.json else markdown(result))
     return 0 if result["token_budget"] else 1
 

@@ -10,10 +10,7 @@ search returns the largest fitting multiple of the step under a synthetic measur
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,28 +25,19 @@ from odb_tools.tune.shapes import Shape, padded_frontier, worst_shapes
 STEP = 64  # tests/tune_check.py's step
 
 
-@pytest.fixture(scope="module")
-def checked() -> dict[str, Any]:
-    """``tests/tune_check.py``'s report: the CLI's result and both seeded bugs', each with the oracle's objections."""
-    script = Path(__file__).with_name("tune_check.py")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
-
-
-def test_odb_tune_reports_the_largest_budget_that_fits_and_prints_its_measurements(checked):
-    result = checked["cli"]
+def test_odb_tune_reports_the_largest_budget_that_fits_and_prints_its_measurements(tune_checked):
+    result = tune_checked["cli"]
     assert result["rc"] == 0 and result["next_budget"] == result["token_budget"] + STEP
     verdicts = {r["token_budget"]: r for r in result["budgets"]}
     assert verdicts[result["token_budget"]]["fits"] and not verdicts[result["next_budget"]]["fits"]
     assert all(r["fits"] == (r["token_budget"] <= result["token_budget"]) for r in result["budgets"])  # monotone
-    assert all(s["peak_bytes"] is not None for s in result["shapes"]) and result["limit_bytes"] == checked["limit"]
-    assert checked["cli_objections"] == []
+    assert all(s["peak_bytes"] is not None for s in result["shapes"]) and result["limit_bytes"] == tune_checked["limit"]
+    assert tune_checked["cli_objections"] == []
 
 
 @pytest.mark.parametrize("bug", ["no_backward", "longest_only"])
-def test_seeded_bugs_report_a_budget_the_property_rejects(checked, bug):
-    assert checked[bug]["objections"] != [], checked[bug]
+def test_seeded_bugs_report_a_budget_the_property_rejects(tune_checked, bug):
+    assert tune_checked[bug]["objections"] != [], tune_checked[bug]
 
 
 def _misses_worst(select, token_budget: int, cutoff: int, a: float, b: float, slack: float = 0.0) -> bool:

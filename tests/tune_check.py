@@ -24,6 +24,7 @@ import torch
 import tune_support  # tests/tune_support.py (this file's directory is on sys.path when run as a script)
 
 import odb_tools.tune.measure as measure_mod
+import odb_tools.tune.replay as replay_mod
 import odb_tools.tune.search as search_mod
 from odb_tools.cli import main
 from odb_tools.tune import tune
@@ -119,6 +120,34 @@ def run_seeded(model: torch.nn.Module, limit: int, bug: str) -> int | None:
         measure_mod.train_step, search_mod.worst_shapes = saved_step, saved_shapes
 
 
+REPLAY_STEPS, REPLAY_HEADROOM = 6, 96 * 2**20
+
+
+def replay_objections(model: torch.nn.Module, limit: int, bug: bool = False) -> dict[str, Any]:
+    """``tune`` with a replay of REPLAY_STEPS shapes (``bug``: seeded, the replay runs only its first
+    shape) and the objections to its result: a reported budget whose replay peaks over the limit,
+    or below the per-shape peak of a shape it ran (it skipped that shape)."""
+    saved = replay_mod.run_steps
+    if bug:
+        replay_mod.run_steps = lambda m, shapes, *rest: saved(m, shapes[:1], *rest)  # type: ignore[assignment]
+    try:
+        result = tune(model, limit, CUTOFF, step=STEP, start=START, optimizer="none", max_shapes=3,
+                      replay_steps=REPLAY_STEPS)
+    finally:
+        replay_mod.run_steps = saved
+    found, out = result["token_budget"], []
+    replays = {r["token_budget"]: r for r in result["replay"]["budgets"]}
+    if found is None or found not in replays:
+        return {"result": result, "objections": [f"no replayed budget reported ({found})"]}
+    rep = replays[found]
+    alone = [oracle_peak(model, *json.loads(label.split(" ", 1)[1])) for label in rep["shapes"]]
+    if rep["peak_bytes"] > limit:
+        out.append(f"L_max {found}: its replay peaks {rep['peak_bytes'] - limit:+,} bytes over the limit")
+    if rep["peak_bytes"] < max(alone) - TOLERANCE:
+        out.append(f"L_max {found}: its replay peaks {max(alone) - rep['peak_bytes']:,} bytes below a shape it ran")
+    return {"result": result, "objections": out}
+
+
 def check_all() -> dict[str, Any]:
     torch.set_num_threads(1)
     model = tune_support.tiny_lm()
@@ -129,6 +158,8 @@ def check_all() -> dict[str, Any]:
     for bug in ("no_backward", "longest_only"):
         found = run_seeded(model, limit, bug)
         report[bug] = {"token_budget": found, "objections": budget_is_tight(model, limit, found)}
+    report["replay"] = replay_objections(model, limit + REPLAY_HEADROOM)
+    report["replay_first_only"] = replay_objections(model, limit + REPLAY_HEADROOM, bug=True)
     return report
 
 

@@ -25,6 +25,7 @@ import os
 import resource
 import select
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,16 @@ def measure_cpu(model: nn.Module, shape: Shape, vocab_size: int, optimizer: str 
                 timeout: float = 3600.0) -> Measurement:
     """This process's RSS plus the growth of a forked child that runs :func:`train_step` (Linux);
     ``TimeoutError`` (the child killed) when it gives no result within ``timeout`` seconds."""
+    peak, error = peak_in_child(model, lambda: train_step(model, shape, vocab_size, "cpu", optimizer), vocab_size,
+                                optimizer, shape, f"measuring {shape.label()}", timeout)
+    return Measurement(shape, peak, error)
+
+
+def peak_in_child(model: nn.Module, run: Callable[[], None], vocab_size: int, optimizer: str, like: Shape,
+                  what: str, timeout: float = 3600.0) -> tuple[int | None, str | None]:
+    """(this process's RSS plus the growth of a forked child over ``run()``, None) or (None, the
+    failure); the child first runs a step on one token of ``like``'s kind, so the code pages the
+    parent holds are not counted twice. ``TimeoutError`` naming ``what`` when the child gives no result in time."""
     parent = baseline_bytes("cpu")
     read_fd, write_fd = os.pipe()
     pid = os.fork()
@@ -71,13 +82,13 @@ def measure_cpu(model: nn.Module, shape: Shape, vocab_size: int, optimizer: str 
         os.close(read_fd)
         try:
             torch.set_num_threads(1)  # the parent's OpenMP pool did not survive the fork (using it hangs)
-            train_step(model, Shape(shape.kind, 1, 1, shape.cutoff), vocab_size, "cpu", optimizer)
+            train_step(model, Shape(like.kind, 1, 1, like.cutoff), vocab_size, "cpu", optimizer)
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # the high-water mark restarts at the current RSS
             start = baseline_bytes("cpu")
-            train_step(model, shape, vocab_size, "cpu", optimizer)
+            run()
             report: dict[str, int | str] = {"peak": parent + max(_vm_hwm() - start, 0)}
-        except BaseException as exc:  # any failure is this shape's result
+        except BaseException as exc:  # any failure is this measurement's result
             report = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         os.write(write_fd, json.dumps(report).encode())
         os._exit(0)
@@ -86,14 +97,14 @@ def measure_cpu(model: nn.Module, shape: Shape, vocab_size: int, optimizer: str 
         if not select.select([f], [], [], timeout)[0]:  # no report and no exit: a hung child
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            raise TimeoutError(f"measuring {shape.label()}: the forked child gave no result in {timeout:g} s")
+            raise TimeoutError(f"{what}: the forked child gave no result in {timeout:g} s")
         raw = f.read()
     _, status = os.waitpid(pid, 0)
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        return Measurement(shape, None, f"child killed by {signal.Signals(sig).name} (out of memory?)")
+        return None, f"child killed by {signal.Signals(sig).name} (out of memory?)"
     got = json.loads(raw or b'{"error": "child exited without a report"}')
-    return Measurement(shape, got.get("peak"), got.get("error"))
+    return got.get("peak"), got.get("error")
 
 
 def measure_cuda(model: nn.Module, shape: Shape, vocab_size: int, optimizer: str = "none") -> Measurement:

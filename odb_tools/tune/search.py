@@ -6,6 +6,8 @@ does not ends with two measured neighbours: the reported budget fits, budget + s
 A budget fits when every shape :func:`~odb_tools.tune.shapes.worst_shapes` gives it peaks at
 most ``limit`` bytes; shapes are measured likely-worst first, a budget stops at its first
 that does not fit, and a shape is measured once per run (the lone sample at the cut-off recurs).
+The budget found is then replayed (:mod:`~odb_tools.tune.replay`: ``replay_steps`` admitted
+shapes back to back, as training meets them) and lowered until its replay fits too.
 """
 
 from __future__ import annotations
@@ -18,9 +20,16 @@ from typing import Any
 from torch import nn
 
 from odb_tools.tune.measure import Measurement, baseline_bytes, measure_cpu, measure_cuda, warm_up
+from odb_tools.tune.replay import Replay, replay_cpu, replay_cuda, replay_shapes
 from odb_tools.tune.shapes import Shape, worst_shapes
 
 Measure = Callable[[nn.Module, Shape, int, str], Measurement]
+ReplayRun = Callable[[nn.Module, int, list[Shape], int, str], Replay]
+REPLAY_STEPS = 16
+"""Shapes a GPU replay runs by default. On a CPU a process's RSS keeps growing step after step
+(``tests/tune_support.py``'s tiny model at L_max 512: one step 23 MiB over its baseline, replays of
+8, 16 and 64 steps 52, 92 and 183; one shape 64 times, 55), so a CPU replay's figure depends on its
+length, and it is off there unless asked for."""
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
@@ -51,13 +60,25 @@ class Search:
     """One run's measurements (cached per shape) and each measured budget's verdict."""
 
     def __init__(self, model: nn.Module, limit: int, budget: str, cutoff: int, device: str, optimizer: str,
-                 max_shapes: int | None, measure: Measure | None = None) -> None:
+                 max_shapes: int | None, measure: Measure | None = None, *, replay_steps: int = 0, seed: int = 0,
+                 replay: ReplayRun | None = None) -> None:
         self.model, self.limit, self.budget, self.cutoff = model, limit, budget, cutoff
         self.device, self.optimizer, self.max_shapes = device, optimizer, max_shapes
         self.vocab = vocab_of(model)
         self.measure = measure or (measure_cpu if device == "cpu" else measure_cuda)
+        self.replay = replay or (replay_cpu if device == "cpu" else replay_cuda)
+        self.replay_steps, self.seed = replay_steps, seed
         self.shapes: dict[Shape, Measurement] = {}
         self.budgets: dict[int, dict[str, Any]] = {}
+        self.replays: dict[int, Replay] = {}
+
+    def replay_fits(self, token_budget: int) -> bool:
+        """Whether ``token_budget``'s replay (:func:`replay_shapes`) peaks within the limit (recorded)."""
+        if token_budget not in self.replays:
+            shapes = replay_shapes(self.budget, token_budget, self.cutoff, self.replay_steps, self.seed)
+            self.replays[token_budget] = self.replay(self.model, token_budget, shapes, self.vocab, self.optimizer)
+        peak = self.replays[token_budget].peak
+        return peak is not None and peak <= self.limit
 
     def fits(self, token_budget: int) -> bool:
         """Whether every worst shape of ``token_budget`` peaks within the limit (recorded)."""
@@ -102,31 +123,72 @@ def find_budget(search: Search, step: int, start: int, max_budget: int) -> tuple
     return lo, hi
 
 
+def settle(search: Search, found: int | None, step: int) -> tuple[int | None, int | None]:
+    """(the largest multiple of ``step`` up to ``found`` whose replay fits, the smallest replayed
+    budget above it that does not; None for either when there is none). Every budget up to
+    ``found`` fits shape by shape; the replay steps down from it by doubling decrements, then
+    bisects between the last that does not fit and the first that does."""
+    if found is None or search.replay_fits(found):
+        return found, None
+    over, gap = found, step
+    while found - gap >= step and not search.replay_fits(found - gap):
+        over, gap = found - gap, gap * 2
+    below = found - gap
+    if below < step:
+        if over == step or not search.replay_fits(step):
+            return None, step
+        below = step
+    while over - below > step:
+        mid = (below + over) // 2 // step * step
+        below, over = (mid, over) if search.replay_fits(mid) else (below, mid)
+    return below, over
+
+
 def tune(model: nn.Module, limit: int, cutoff: int, budget: str = "padded", device: str = "cpu", step: int = 128,
          start: int | None = None, max_budget: int = 1 << 20, optimizer: str = "adamw", max_shapes: int | None = 8,
-         measure: Measure | None = None) -> dict[str, Any]:
-    """The largest L_max (a multiple of ``step``) whose worst shapes fit ``limit`` bytes, as a JSON-ready dict
-    (a ``transformers`` model's ``config.use_cache`` is set False, as in training):
-    ``token_budget`` (None if not even ``start`` fits), ``next_budget`` (measured not to fit), the
-    per-budget verdicts and every shape's measurement."""
-    if limit <= 0 or step < 1 or cutoff < 1:
-        raise ValueError(f"limit, step and cut-off must be positive, got {limit}, {step}, {cutoff}")
+         measure: Measure | None = None, replay_steps: int | None = None, seed: int = 0,
+         replay: ReplayRun | None = None) -> dict[str, Any]:
+    """The largest L_max (a multiple of ``step``) whose worst shapes fit ``limit`` bytes and, with
+    ``replay_steps`` (0: none; None: :data:`REPLAY_STEPS` on a GPU, none on a CPU), whose replay of
+    that many admitted shapes back to back fits too, as a JSON-ready dict (a ``transformers``
+    model's ``config.use_cache`` is set False, as in training): ``token_budget`` (None if nothing
+    fits), ``next_budget`` (measured not to fit), ``shapes_budget`` (the largest whose shapes fit
+    one by one), the per-budget verdicts, every shape's measurement and every replay."""
+    if replay_steps is None:
+        replay_steps = 0 if device == "cpu" else REPLAY_STEPS
+    if limit <= 0 or step < 1 or cutoff < 1 or replay_steps < 0:
+        raise ValueError(f"limit, step and cut-off must be positive and replay steps not negative, got {limit}, "
+                         f"{step}, {cutoff}, {replay_steps}")
     if max(start or step, step) > max_budget:
         raise ValueError(f"the first budget {max(start or step, step)} is past max_budget {max_budget}")
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):  # training runs without a KV cache, and a packed row needs it off
         config.use_cache = False  # type: ignore[union-attr]  # (odb_torch.check_packed_attention)
-    search = Search(model, limit, budget, cutoff, device, optimizer, max_shapes, measure)
+    search = Search(model, limit, budget, cutoff, device, optimizer, max_shapes, measure, replay_steps=replay_steps,
+                    seed=seed, replay=replay)
     warm_up(model, search.vocab, device, optimizer)
-    found, nxt = find_budget(search, step, start or step, max_budget)
+    by_shape, nxt = find_budget(search, step, start or step, max_budget)
+    found, over = settle(search, by_shape, step) if replay_steps else (by_shape, None)
     return {
-        "token_budget": found, "next_budget": nxt, "budget": budget, "max_length": cutoff, "device": device,
-        "limit_bytes": limit, "baseline_bytes": baseline_bytes(device), "optimizer": optimizer, "step": step,
+        "token_budget": found, "next_budget": over or nxt, "shapes_budget": by_shape, "budget": budget,
+        "max_length": cutoff, "device": device, "limit_bytes": limit, "baseline_bytes": baseline_bytes(device),
+        "optimizer": optimizer, "step": step,
         "measure": "peak RSS of a forked child" if device == "cpu" else "torch.cuda.max_memory_allocated",
         "budgets": sorted(search.budgets.values(), key=lambda r: r["token_budget"]),
         "shapes": [{**asdict(m.shape), "tokens": m.shape.tokens, "peak_bytes": m.peak, "error": m.error}
                    for m in search.shapes.values()],
+        "replay": _replays(search),
     }
+
+
+def _replays(search: Search) -> dict[str, Any] | None:
+    if not search.replay_steps:
+        return None
+    return {"steps": search.replay_steps, "seed": search.seed,
+            "measure": "peak RSS of a forked child" if search.device == "cpu" else "torch.cuda.max_memory_reserved",
+            "budgets": [{"token_budget": r.token_budget, "fits": r.peak is not None and r.peak <= search.limit,
+                         "peak_bytes": r.peak, "error": r.error, "shapes": [s.label() for s in r.shapes]}
+                        for r in sorted(search.replays.values(), key=lambda r: r.token_budget)]}
 
 
 def _mib(n: int | None) -> str:
@@ -134,14 +196,22 @@ def _mib(n: int | None) -> str:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """The per-budget table and the verdict, for people."""
+    """The per-budget table, the replays and the verdict, for people."""
     lines = [f"| L_max | fits | worst shape | peak MiB (limit {_mib(result['limit_bytes'])}) |", "|---|---|---|---|"]
     lines += [f"| {r['token_budget']} | {'yes' if r['fits'] else 'no'} | {r['worst_shape']} | "
               f"{_mib(r['peak_bytes'])}{' (' + r['error'] + ')' if r['error'] else ''} |" for r in result["budgets"]]
+    replay = result.get("replay")
+    if replay and replay["budgets"]:
+        lines += ["", f"replays ({replay['steps']} admitted shapes back to back, seed {replay['seed']}; "
+                  f"{replay['measure']}):"]
+        lines += [f"  L_max {r['token_budget']}: {'fits' if r['fits'] else 'does not fit'}, peak "
+                  f"{_mib(r['peak_bytes'])} MiB{' (' + r['error'] + ')' if r['error'] else ''}" for r in replay["budgets"]]
     found = result["token_budget"]
     verdict = (f"largest L_max that fits ({result['budget']} budget, cut-off {result['max_length']}): {found}"
                + (f"; {result['next_budget']} does not" if result["next_budget"] else "")
                if found else f"no budget fits: not even L_max={result['next_budget']} "
                f"(lower --max-length, or raise the limit)")
+    if result.get("shapes_budget") and result["shapes_budget"] != found:
+        verdict += f" (its worst shapes one by one allow {result['shapes_budget']}; the replay does not fit there)"
     return "\n".join([*lines, "", verdict, f"measured: {result['measure']} ({result['device']}, optimizer "
                       f"{result['optimizer']}); baseline {_mib(result['baseline_bytes'])} MiB"])

@@ -1,0 +1,117 @@
+"""``odb tune``'s replay (:mod:`odb_tools.tune.replay`): after the shape-by-shape search, the
+budget found runs many admitted shapes back to back, the allocator never emptied, and is
+lowered until that run's peak fits too (on an H100 a budget whose worst shapes each fit ran out
+of memory at step 8 of training). Real CPU runs (``tests/tune_check.py``, a fresh process): the
+reported budget's replay fits and peaks at least as high as every shape it ran does alone; a
+seeded replay that runs only its first shape is caught. Hypothesis: the replay's shapes are
+admitted by the budget (P3), hold its worst shapes and depend only on the seed; the search
+settles on the largest multiple of the step whose replay fits, which a search that ignores
+the replay (the seeded bug) does not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tune_support import tiny_lm
+
+from odb_tools.tune import markdown, tune
+from odb_tools.tune.measure import Measurement
+from odb_tools.tune.replay import Replay, replay_shapes
+from odb_tools.tune.search import Search, find_budget, settle
+from odb_tools.tune.shapes import worst_shapes
+
+
+def test_the_reported_budget_replays_within_the_limit_and_runs_every_shape(tune_checked: dict[str, Any]) -> None:
+    replay = tune_checked["replay"]
+    assert replay["objections"] == [], replay["objections"]
+    result = replay["result"]
+    assert result["token_budget"] <= result["shapes_budget"]
+    verdicts = {r["token_budget"]: r["fits"] for r in result["replay"]["budgets"]}
+    assert verdicts[result["token_budget"]]
+    if result["next_budget"] is not None and result["next_budget"] in verdicts:  # lowered: the next one was replayed
+        assert not verdicts[result["next_budget"]] and result["next_budget"] == result["token_budget"] + 64
+
+
+def test_a_replay_that_runs_only_its_first_shape_is_caught(tune_checked: dict[str, Any]) -> None:
+    assert tune_checked["replay_first_only"]["objections"] != [], tune_checked["replay_first_only"]
+
+
+@given(st.sampled_from(["padded", "packed"]), st.integers(1, 5000), st.integers(1, 5000), st.integers(1, 40),
+       st.integers(0, 3))
+def test_replay_shapes_are_admitted_hold_the_worst_and_follow_the_seed(budget, token_budget, cutoff, steps, seed):
+    shapes = replay_shapes(budget, token_budget, cutoff, steps, seed)
+    assert len(shapes) == steps
+    for s in shapes:  # P3: a lone sample up to the cut-off, else within the budget
+        assert s.length <= max(cutoff, token_budget) and s.batch >= 1
+        assert s.tokens <= token_budget or (s.batch == 1 and s.length <= cutoff), s
+    worst = worst_shapes(budget, token_budget, cutoff)[:steps]
+    assert all(shapes.count(w) >= 1 for w in worst)
+    assert replay_shapes(budget, token_budget, cutoff, steps, seed) == shapes
+
+
+def _fake(a: float, c: float) -> tuple[Any, Any]:
+    """A shape's peak a x tokens; a replay's c x L_max (more than any of its shapes alone when c > a)."""
+    def measure(model, shape, vocab, optimizer):
+        return Measurement(shape, int(a * shape.tokens))
+
+    def replay(model, token_budget, shapes, vocab, optimizer):
+        return Replay(token_budget, tuple(shapes), int(c * token_budget))
+    return measure, replay
+
+
+def _property(search: Search, found: int | None, nxt: int | None, by_shape: int | None, step: int) -> list[str]:
+    """The settled budget's replay fits, it is at most the shape-by-shape one, and the next multiple of the
+    step up to that one does not replay within the limit (empty when all hold)."""
+    out = []
+    if found is not None and not search.replay_fits(found):
+        out.append(f"{found}'s replay does not fit")
+    if found is not None and by_shape is not None and found > by_shape:
+        out.append(f"{found} is past the shape-by-shape budget {by_shape}")
+    if by_shape is not None and (found or 0) + step <= by_shape and search.replay_fits((found or 0) + step):
+        out.append(f"{(found or 0) + step} replays within the limit: {found} is not the largest")
+    if found is not None and found < by_shape and nxt != found + step:  # type: ignore[operator]
+        out.append(f"next budget {nxt}, not {found + step}")
+    return out
+
+
+@settings(max_examples=60)
+@given(st.integers(16, 200), st.floats(0.1, 1.0), st.floats(1.0, 3.0), st.integers(100, 4000))
+def test_the_search_settles_on_the_largest_budget_whose_replay_fits(step, a, ratio, limit):
+    measure, replay = _fake(a, a * ratio)
+    search = Search(torch.nn.Embedding(8, 2), limit, "padded", 64, "cpu", "none", 8, measure,
+                    replay_steps=4, replay=replay)
+    by_shape, _ = find_budget(search, step, step, 8192)
+    found, over = settle(search, by_shape, step)
+    assert _property(search, found, over, by_shape, step) == []
+
+
+def test_a_search_that_ignores_the_replay_reports_a_budget_the_property_rejects():
+    measure, replay = _fake(0.5, 1.0)  # a replay holds twice a shape's peak
+    search = Search(torch.nn.Embedding(8, 2), 1000, "padded", 64, "cpu", "none", 8, measure,
+                    replay_steps=4, replay=replay)
+    by_shape, nxt = find_budget(search, 64, 64, 8192)
+    assert _property(search, by_shape, nxt, by_shape, 64) != []  # the seeded bug: no settle
+    found, over = settle(search, by_shape, 64)
+    assert (found, over) == (960, 1024) and _property(search, found, over, by_shape, 64) == []
+
+
+def test_the_report_names_each_replay_and_the_budget_it_lowered():
+    measure, replay = _fake(0.5, 1.0)
+    result = tune(tiny_lm(), 1000, 64, step=64, optimizer="none", measure=measure, replay_steps=4, replay=replay)
+    assert (result["token_budget"], result["shapes_budget"], result["next_budget"]) == (960, 1984, 1024)
+    assert result["replay"]["steps"] == 4 and all(len(r["shapes"]) == 4 for r in result["replay"]["budgets"])
+    text = markdown(result)
+    assert "L_max 1024: does not fit" in text and "L_max 960: fits" in text
+    assert "its worst shapes one by one allow 1984" in text
+
+
+def test_no_replay_on_cpu_unless_asked_and_a_negative_count_is_refused():
+    measure, replay = _fake(0.5, 1.0)
+    result = tune(tiny_lm(), 1000, 64, step=64, optimizer="none", measure=measure, replay=replay)
+    assert result["replay"] is None and result["token_budget"] == result["shapes_budget"] == 1984
+    with pytest.raises(ValueError, match="replay steps"):
+        tune(tiny_lm(), 1000, 64, replay_steps=-1, measure=measure)
