@@ -8,6 +8,7 @@ compared with a single-process per-token-mean gradient over the same batches (th
 samples re-collated: one padded batch, or under the packed budget each group's row again).
 resume: run B again from A's checkpoint, on another number of ranks (elastic resume).
 join: skip_idle batches under torch Join; every yielded step is recorded.
+no_cpu_flag: ``Accelerator()`` without ``cpu=True`` on this GPU-less machine, then ``odb_loader``.
 Writes OUT/<mode>_rank{r}.json.
 """
 
@@ -27,6 +28,8 @@ import accelerate_loop as guide  # noqa: E402
 
 from odb_tools.demo.synthetic import TokenDataset  # noqa: E402
 from odb_torch import packed_collate, pad_collate  # noqa: E402
+
+N = 96
 
 
 def record(micro: Any, update: int, out: list[dict[str, Any]]) -> None:
@@ -60,9 +63,9 @@ def main() -> None:
             ref = copy.deepcopy(inner)
             ref.zero_grad()
             if budget == "packed":  # a row's attention spans the row in this toy model: rebuild each row
-                rows = [packed_collate([TokenDataset(96)[i] for i in g]) for g in groups]
+                rows = [packed_collate([TokenDataset(N)[i] for i in g]) for g in groups]
             else:
-                rows = [pad_collate([TokenDataset(96)[i] for i in ids])]
+                rows = [pad_collate([TokenDataset(N)[i] for i in ids])]
             sums = [ref(b["input_ids"], b["labels"]) for b in rows]
             (sum(s for s, _ in sums) / sum(c for _, c in sums)).backward()
             diffs = [((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item()
@@ -81,6 +84,19 @@ def main() -> None:
              "padding": m.is_padding, "idle": m.info.is_idle, "multiplier": m.loss_multiplier,
              "local_tokens": m.info.local_tokens}))
         result["records"] = records
+    elif mode == "no_cpu_flag":  # Accelerator() on a machine without GPUs: it counts 1 process on each rank
+        from accelerate import Accelerator
+
+        from odb_core.errors import UnsupportedSettingError
+        from odb_torch.integrations.accelerate import odb_loader
+
+        accelerator = Accelerator()
+        result["counted"] = accelerator.num_processes
+        try:
+            loader = odb_loader(accelerator, TokenDataset(N), token_budget=256, num_workers=0)
+            result["loader_world"] = loader.world_size
+        except UnsupportedSettingError as exc:
+            result["refused"] = {"field": exc.field, "rank": exc.rank, "message": str(exc)}
     else:
         steps: list[dict[str, Any]] = []
         guide.train_join(on_batch=lambda info: steps.append(

@@ -64,3 +64,17 @@ def test_accelerate_join_uneven_shards(tmp_path):
         assert counts[0] != counts[1], f"uneven shards should give uneven batch counts, got {counts}"
         ids = [i for steps in ranks for s in steps if s["epoch"] == epoch for i in s["indices"]]
         assert sorted(ids) == list(range(N)), f"P4: epoch {epoch} under Join"
+
+
+def test_an_accelerator_that_counts_one_process_of_two_is_refused_on_every_rank(tmp_path):
+    """On a machine without GPUs ``Accelerator()`` (no ``cpu=True``) under torchrun counts one process
+    on each rank; the loader it got was a W=1 loader on every rank, each training the whole dataset
+    alone, silently. Now ``odb_loader`` (and ``prepare``) refuse it on every rank."""
+    run_torchrun(WORKER, [str(tmp_path), "no_cpu_flag"], 2)
+    for r in range(2):
+        result = json.loads((tmp_path / f"no_cpu_flag_rank{r}.json").read_text())
+        assert result["counted"] == 1, "this machine's Accelerator() no longer counts one process: the test is moot"
+        assert "loader_world" not in result, f"rank {r} built a loader for a world of {result.get('loader_world')}"
+        refused = result["refused"]
+        assert (refused["field"], refused["rank"]) == ("num_processes", r), refused
+        assert "Accelerator(cpu=True)" in refused["message"] and "this job has 2" in refused["message"]

@@ -28,10 +28,12 @@ only the main process's). Nothing here patches Accelerate or torch.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
@@ -49,7 +51,10 @@ def odb_loader(accelerator: Any, dataset: Any, *, token_budget: int, **loader_kw
     Do not pass it to ``accelerator.prepare``: Accelerate would re-shard it. ``loss_tokens_fn``
     defaults to :func:`~odb_torch.losses.shifted_loss_tokens` (causal LMs), ``collate_fn`` to
     :func:`~odb_torch.pad_collate` (:func:`~odb_torch.packed_collate` under ``budget="packed"``).
+    An ``accelerator`` that counts fewer processes than the job has is refused
+    (:func:`check_accelerator_world`).
     """
+    check_accelerator_world(accelerator)
     loader_kwargs.setdefault("loss_tokens_fn", shifted_loss_tokens)
     adapter_defaults(None, loader_kwargs)
     loader_kwargs.setdefault("rank", accelerator.process_index)
@@ -71,6 +76,26 @@ def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Opt
     windows = AccumulationWindows(odb_loader(accelerator, dataset, token_budget=token_budget, **loader_kwargs),
                                   accumulation_steps, pad_last_window=pad_last_window)
     return model, optimizer, windows
+
+
+def check_accelerator_world(accelerator: Any) -> None:
+    """:class:`~odb_core.errors.UnsupportedSettingError` (field ``num_processes``) when the job has
+    more processes than ``accelerator`` counts (``torch.distributed``'s world, else the launcher's
+    ``WORLD_SIZE``). On a machine without GPUs, ``Accelerator()`` under torchrun counts one
+    process on every rank (``DistributedType.NO``) while torch.distributed holds them all: each
+    rank would then train the whole dataset alone, an undivided model on each (P4 across ranks).
+    ``Accelerator(cpu=True)`` counts them."""
+    counted = int(accelerator.num_processes)
+    if dist.is_available() and dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+    else:
+        world, rank = int(os.environ.get("WORLD_SIZE") or 1), int(os.environ.get("RANK") or 0)
+    if world != counted:
+        raise UnsupportedSettingError(
+            f"rank {rank}: the Accelerator counts {counted} process(es) (distributed type "
+            f"{getattr(accelerator, 'distributed_type', '?')}) but this job has {world}: every rank would train the "
+            "whole dataset alone; on a machine without GPUs build Accelerator(cpu=True)", field="num_processes",
+            rank=rank)
 
 
 def check_own_accumulation(accelerator: Any) -> None:
