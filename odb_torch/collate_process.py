@@ -277,8 +277,9 @@ class CollateServer:
         except Exception as exc:
             self._close_loading()
             in_use = "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower()
-            hint = ("; another process or ODB loader serves this port: give each loader its own init_method (or "
-                    "ODB_COLLATE_PORT)") if in_use else ""
+            hint = ("; another process (or a loader given the same init_method) serves this port: pass the loader "
+                    "a free init_method=, or set ODB_COLLATE_PORT to a free base port (the default port is "
+                    "MASTER_PORT+1, +2 for a second loader alive at once, and so on)") if in_use else ""
             self.out.put(encode(Failure(self._as_error(exc) if worker_death(exc) else exc if isinstance(
                 exc, ConfigMismatchError) else PeerError(
                 f"rank {spec.rank}: collate group rendezvous at {spec.init_method} failed: {type(exc).__name__}: "

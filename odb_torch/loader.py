@@ -10,6 +10,7 @@ import queue
 import signal
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NoReturn
@@ -44,7 +45,15 @@ from odb_torch.elastic import (
     rank_share,
 )
 from odb_torch.inbox import Inbox
-from odb_torch.loader_options import CONFIG_DEFAULT, collate_rendezvous, protocol_config, rank_and_world
+from odb_torch.loader_options import (
+    CONFIG_DEFAULT,
+    collate_rendezvous,
+    free_port_slot,
+    protocol_config,
+    rank_and_world,
+    take_port_slot,
+    uses_default_port,
+)
 from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, decode
 from odb_torch.pinning import pin_batch, pinning_available
 from odb_torch.process_guard import close_at_exit
@@ -173,7 +182,8 @@ class ODBDataLoader:
             deals one view each to the ceil(W / reserve_divisor) roomiest ranks (default 8: one
             a round up to W=8; ``ODBConfig.reserve_divisor``).
         init_method: rendezvous of the collate group (default ``tcp://MASTER_ADDR:
-            MASTER_PORT+1``, or a free local port when alone; env ``ODB_COLLATE_PORT``).
+            MASTER_PORT+1``, +2 for a second loader alive at once, and so on; a free local
+            port when alone; env ``ODB_COLLATE_PORT`` in place of ``MASTER_PORT+1``).
         timeout: seconds before a silent collate process or peer is an error.
         start_method: how the collate process starts: ``"auto"`` (default): ``fork`` on
             Linux, as a plain DataLoader starts its workers (nothing pickled, the script
@@ -244,7 +254,11 @@ class ODBDataLoader:
         seed = self.config.seed
         rank, world_size = rank_and_world(rank, world_size)
         self.rank, self.world_size = rank, world_size
-        init_method = collate_rendezvous(init_method, world_size)
+        slot = 0
+        if uses_default_port(init_method, world_size):  # a port of its own while it lives
+            slot = take_port_slot()
+            weakref.finalize(self, free_port_slot, slot)
+        init_method = collate_rendezvous(init_method, world_size, slot)
         if stream := is_stream(dataset):  # an IterableDataset: odb_torch.stream_loading
             check_stream_config(self.config, rank, world_size, sampler)
         elif element_id is not None:

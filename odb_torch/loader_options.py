@@ -59,12 +59,35 @@ def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-def collate_rendezvous(init_method: str | None, world_size: int) -> str:
-    """The collate group's ``tcp://`` rendezvous: as given; else ``ODB_COLLATE_PORT``, or
-    ``MASTER_PORT + 1`` on ``MASTER_ADDR`` under DDP; else a free local port when alone."""
+def collate_rendezvous(init_method: str | None, world_size: int, slot: int = 0) -> str:
+    """The collate group's ``tcp://`` rendezvous: as given; else ``ODB_COLLATE_PORT + slot``, or
+    ``MASTER_PORT + 1 + slot`` on ``MASTER_ADDR`` under DDP (``slot``: :func:`take_port_slot`'s);
+    else a free local port when alone."""
     if init_method is not None:
         return init_method
-    if "ODB_COLLATE_PORT" in os.environ or world_size > 1:
-        port = int(os.environ.get("ODB_COLLATE_PORT", int(os.environ.get("MASTER_PORT", 29500)) + 1))
-        return f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}"
+    if uses_default_port(init_method, world_size):
+        base = int(os.environ.get("ODB_COLLATE_PORT", int(os.environ.get("MASTER_PORT", 29500)) + 1))
+        return f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{base + slot}"
     return f"tcp://127.0.0.1:{free_port()}"
+
+
+def uses_default_port(init_method: str | None, world_size: int) -> bool:
+    """Whether :func:`collate_rendezvous` picks the port from the environment (a slot's)."""
+    return init_method is None and ("ODB_COLLATE_PORT" in os.environ or world_size > 1)
+
+
+_SLOTS: set[int] = set()
+
+
+def take_port_slot() -> int:
+    """The lowest default-port slot no live loader of this process holds, now held: a training
+    and an evaluation loader alive at once get ports of their own. Ranks build and drop their
+    loaders in the same order, so their slots agree. Freed by :func:`free_port_slot`."""
+    slot = next(k for k in range(len(_SLOTS) + 1) if k not in _SLOTS)
+    _SLOTS.add(slot)
+    return slot
+
+
+def free_port_slot(slot: int) -> None:
+    """``slot`` is free again (its loader was collected)."""
+    _SLOTS.discard(slot)
