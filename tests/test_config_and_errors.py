@@ -145,3 +145,19 @@ def test_an_epoch_driver_of_a_rank_outside_the_world_and_a_pooled_resume_of_nega
     with pytest.raises(ResumeStateError) as resumed:
         driver.start_iteration([5, 6, 7, 8], pool=(9,))
     assert resumed.value.field == "consumed" and resumed.value.indices == (-3,)
+
+
+def test_every_error_and_warning_of_the_one_tree_is_importable_from_odb_core():
+    """The README names errors bare and roots them at ``odb_core.ODBError``: each class of
+    ``odb_core.errors`` (``ResumeStateError``, ``ConfigMismatchError``, ... were only there) is
+    exported by ``odb_core`` as the same object, and every error derives from ``ODBError``."""
+    import inspect
+
+    import odb_core
+    import odb_core.errors as errors
+
+    defined = {name: cls for name, cls in inspect.getmembers(errors, inspect.isclass) if cls.__module__ == errors.__name__}
+    assert {"ResumeStateError", "ConfigMismatchError", "UnsupportedSettingError"} <= set(defined)
+    for name, cls in defined.items():
+        assert getattr(odb_core, name, None) is cls and name in odb_core.__all__, name
+        assert issubclass(cls, errors.ODBError) or issubclass(cls, errors.ODBWarning), name
