@@ -20,7 +20,14 @@ from torch.utils.data import Dataset, DistributedSampler, default_collate
 
 from odb_core import ODBConfig
 from odb_core.config import BudgetName, LossScaling, Mode, TargetPolicyName
-from odb_core.elastic import check_own_state, check_resumed_epoch, deals_views, tail_resume, typed_state_errors
+from odb_core.elastic import (
+    check_own_state,
+    check_resumed_epoch,
+    check_single_state,
+    deals_views,
+    tail_resume,
+    typed_state_errors,
+)
 from odb_core.epoch import EpochDriver
 from odb_core.errors import (
     CollateProcessError,
@@ -437,8 +444,8 @@ class ODBDataLoader:
             raise ResumeStateError(f"rank {self.rank}: the state is a stream's (its positions name the stream's "
                                    "elements), this loader reads a map-style dataset through its sampler; resume "
                                    "it with the stream", field="stream", rank=self.rank)
-        if isinstance(state, Mapping) and state.get("kind") != "odb-global" and (
-                state.get("world_size") == self.world_size):
+        if isinstance(state, Mapping) and state.get("kind") != "odb-global" and check_single_state(
+                state, self.rank, self.world_size):
             check_own_state(state, self.rank, self.config.seed)
             check_order(state, self.sampler, self.rank)
             share = rank_share(state)

@@ -89,3 +89,23 @@ def test_samples_per_epoch_of_a_stream_is_an_unsupported_setting_naming_the_data
     with pytest.raises(UnsupportedSettingError) as err:
         AccumulationWindows(_stream(), 2).samples_per_epoch()
     assert err.value.field == "dataset"
+
+
+LONE_CASES = [
+    ({"foo": 1}, "world_size", "not an ODBDataLoader.state_dict()"),
+    (_without(OWN, "world_size"), "world_size", "lacks ['world_size']"),
+    ({"loader": OWN, "windows": 3, "phase": 0}, "loader", "load_windows_state"),
+    (OWN | {"world_size": 3, "rank": 2}, "kind", "rank 2's of a world of 3 ranks, this loader's world has 2"),
+]
+
+
+@pytest.mark.parametrize(("state", "field", "says"), LONE_CASES, ids=[c[1] + str(i) for i, c in enumerate(LONE_CASES)])
+def test_a_lone_state_that_is_not_this_worlds_own_says_what_it_is(state, field, says):
+    """A mapping that is no state_dict, one without its world size, an adapter's windows state (the
+    loader's under 'loader') and one rank's state of another world all read as "a single rank's
+    state cannot resume another world size" (field 'kind'); now each names what it is, the sizes
+    where they differ, and the rank (``ranks=(0,)``)."""
+    with pytest.raises(ResumeStateError) as err:
+        _map().load_state_dict(state)
+    assert (err.value.field, err.value.ranks) == (field, (0,)), (err.value.field, err.value.ranks, str(err.value))
+    assert says in str(err.value)
