@@ -105,10 +105,11 @@ def test_lightning_resume_from_a_checkpoint_taken_inside_a_window_keeps_lightnin
     check_resume_exactly_once(before, trained([second["records"]]), N)
 
 
-@pytest.mark.parametrize("limit", [4, 0.5])
-def test_a_limited_lightning_epoch_is_refused_naming_the_setting(limit, tmp_path):
+@pytest.mark.parametrize(("limit", "accumulate"), [(4, 2), (0.5, 2), (1.0, 3)])
+def test_a_limited_lightning_epoch_or_another_accumulation_is_refused_naming_the_setting(limit, accumulate, tmp_path):
     """``Trainer(limit_train_batches=...)`` left every epoch early, and the next started the same
-    epoch again: the same first batches every epoch, the rest never trained, without a word."""
+    epoch again: the same first batches every epoch, the rest never trained, without a word. A
+    Trainer accumulating another count than the callback's windows was a bare ValueError."""
     import lightning.pytorch as pl
 
     from odb_core.errors import UnsupportedSettingError
@@ -122,13 +123,16 @@ def test_a_limited_lightning_epoch_is_refused_naming_the_setting(limit, tmp_path
         import lightning_fit as guide
     finally:
         sys.path.remove(sys_path)
-    odb = ODBLightningCallback(TokenDataset(N), token_budget=BUDGET, num_workers=0)
+    odb = ODBLightningCallback(TokenDataset(N), token_budget=BUDGET, num_workers=0, accumulate_grad_batches=2)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, limit_train_batches=limit, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         default_root_dir=str(tmp_path), callbacks=[odb])
+                         default_root_dir=str(tmp_path), callbacks=[odb], accumulate_grad_batches=accumulate)
     with pytest.raises(UnsupportedSettingError) as err:
         trainer.fit(guide.LitLM(odb, 2), train_dataloaders=odb.train_dataloader())
-    assert err.value.field == "limit_train_batches" and "max_steps" in str(err.value)
+    if limit != 1.0:
+        assert err.value.field == "limit_train_batches" and "max_steps" in str(err.value)
+    else:
+        assert err.value.field == "accumulate_grad_batches" and "give both the same" in str(err.value)
 
 
 def test_a_lightning_rank_whose_peer_cannot_load_its_state_stops_naming_that_rank(tmp_path):

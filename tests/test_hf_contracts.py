@@ -327,3 +327,13 @@ def test_ranks_that_disagree_on_the_shared_tail_get_a_typed_error_not_a_hang(tmp
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     outcomes = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert outcomes == ["ConfigMismatchError shared_tail"] * 2, outcomes
+
+
+def test_an_odb_kwargs_key_the_loader_does_not_take_is_refused_at_construction(tmp_path):
+    """A misspelt ``odb_kwargs`` key surfaced only at ``train()``, as a bare TypeError from the
+    loader's constructor; it is now an UnsupportedSettingError naming it (and the near keyword)
+    when the trainer is built."""
+    with pytest.raises(UnsupportedSettingError, match="'bufer_size' \\(did you mean 'buffer_size'\\?\\)") as err:
+        ODBTrainer(model=tiny(), args=make_args(tmp_path), train_dataset=TokenDataset(8), token_budget=256,
+                   odb_kwargs={"bufer_size": 8, "buffer_size": 8})
+    assert err.value.fields == ("bufer_size",)

@@ -215,6 +215,24 @@ def refuse(who: str, problems: list[tuple[str, str]]) -> None:
                                       fields=[f for f, _ in problems])
 
 
+def check_loader_keywords(who: str, odb_kwargs: Mapping[str, Any]) -> None:
+    """:class:`UnsupportedSettingError` (``fields``: the unknown ones) for an ``odb_kwargs`` key that
+    :class:`~odb_torch.ODBDataLoader` does not take, or that the trainer passes itself, at
+    construction (it surfaced at ``train()``, as a bare ``TypeError``)."""
+    import difflib
+    import inspect
+
+    from odb_torch.loader import ODBDataLoader
+
+    taken = set(inspect.signature(ODBDataLoader.__init__).parameters) - {"self", "dataset", "token_budget"}
+    unknown = sorted(k for k in odb_kwargs if k not in taken)
+    if unknown:
+        hints = {k: difflib.get_close_matches(k, sorted(taken), n=1) for k in unknown}
+        named = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items())
+        raise UnsupportedSettingError(f"{who}(odb_kwargs=...): {named} not an ODBDataLoader keyword (dataset and "
+                                      "token_budget are the trainer's own arguments)", field=unknown[0], fields=unknown)
+
+
 def check_arguments(who: str, args: Any, warmup_samples: int | None, odb_kwargs: Mapping[str, Any],
                     kwargs: Mapping[str, Any]) -> None:
     """Refuse what ODBTrainer cannot run: ``ValueError`` for missing or step-counted arguments,
@@ -230,6 +248,7 @@ def check_arguments(who: str, args: Any, warmup_samples: int | None, odb_kwargs:
         raise ValueError(f"{who} needs join mode without skip_idle (resumable, aligned windows)")
     if kwargs.get("train_dataset") is None:
         raise ValueError(f"{who} needs a train_dataset (keyword)")
+    check_loader_keywords(who, odb_kwargs)
     refuse(who, loss_setting_problems(args, kwargs) + step_fraction_problems(args))
 
 
