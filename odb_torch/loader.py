@@ -32,6 +32,7 @@ from odb_core.epoch import EpochDriver
 from odb_core.errors import (
     CollateProcessError,
     LoaderStateError,
+    ODBWarning,
     PeerError,
     PinMemoryError,
     ResumeStateError,
@@ -311,6 +312,7 @@ class ODBDataLoader:
         self._order_resume: str | None = None  # a loaded state's order digest, for the resumed StartEpoch
         self._tail = TailPosition(0, ())  # a pooled epoch's pool position at the last yielded step
         self._epoch_open = False  # an iteration started and has not reached its EpochEnd
+        self._completed: int | None = None  # the epoch whose EpochEnd was reached last
         self._serial = 0  # epochs started by this loader (the same on every rank: names trace files)
         self._generation = 0  # bumped by every iter() and close(): older iterators are stale
         self._stale_reason = ""
@@ -337,6 +339,18 @@ class ODBDataLoader:
             self._recent.clear()
             self._stream_point = None
         self.epoch = epoch
+
+    def _warn_repeated_epoch(self, epoch: int) -> None:
+        """An :class:`~odb_core.errors.ODBWarning` when a shuffling sampler's epoch, completed, starts
+        again without a resumed position: ``set_epoch`` was not called, so every epoch repeats its
+        order, and ``state_dict`` names it (a resume from ``loader.epoch`` would rerun epochs).
+        torch's ``DistributedSampler`` repeats silently; an unshuffled order (an evaluation loader)
+        is the same every epoch, so nothing is said there."""
+        if self._resume is None and self._completed == epoch and getattr(self.sampler, "shuffle", False):
+            warnings.warn(ODBWarning(
+                f"rank {self.rank}: epoch {epoch} starts again, in the order it had: call loader.set_epoch(epoch) "
+                f"before each epoch, as with DistributedSampler; else every epoch repeats epoch {epoch}'s order "
+                f"and state_dict() records epoch {epoch}"), stacklevel=3)
 
     def _invalidate(self, reason: str) -> None:
         """Make a live iterator raise :class:`LoaderStateError` on its next ``next()``; the next
@@ -509,6 +523,7 @@ class ODBDataLoader:
         does iterating another epoch than the one :meth:`load_state_dict` loaded (it would discard it)."""
         epoch = self.epoch
         check_resumed_epoch(None if self._resume is None else self._resume[0], epoch, self.rank)
+        self._warn_repeated_epoch(epoch)
         if self._epoch_open or (self._elastic is not None and self._resume is None):
             # the previous iteration was abandoned mid-epoch (break): the collate process
             # is still in that epoch and its queued batches are stale, so restart it; an
@@ -542,7 +557,7 @@ class ODBDataLoader:
         while True:
             item = self._receive()
             if isinstance(item, EpochEnd):
-                self._epoch_open = False
+                self._epoch_open, self._completed = False, epoch
                 return
             if isinstance(item, Failure):
                 self._fail(item.error)
