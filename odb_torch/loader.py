@@ -10,7 +10,6 @@ import queue
 import signal
 import time
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NoReturn
@@ -190,8 +189,8 @@ class ODBDataLoader:
             deals one view each to the ceil(W / reserve_divisor) roomiest ranks (default 8: one
             a round up to W=8; ``ODBConfig.reserve_divisor``).
         init_method: rendezvous of the collate group (default ``tcp://MASTER_ADDR:
-            MASTER_PORT+1``, +2 for a second loader alive at once, and so on; a free local
-            port when alone; env ``ODB_COLLATE_PORT`` in place of ``MASTER_PORT+1``).
+            MASTER_PORT+1``, +2 for a second loader running at once, and so on; env
+            ``ODB_COLLATE_PORT`` in place of ``MASTER_PORT+1``; a free local port when alone).
         timeout: seconds before a silent collate process or peer is an error.
         start_method: how the collate process starts: ``"auto"`` (default): ``fork`` on
             Linux, as a plain DataLoader starts its workers (nothing pickled, the script
@@ -262,11 +261,8 @@ class ODBDataLoader:
         seed = self.config.seed
         rank, world_size = rank_and_world(rank, world_size)
         self.rank, self.world_size = rank, world_size
-        slot = 0
-        if uses_default_port(init_method, world_size):  # a port of its own while it lives
-            slot = take_port_slot()
-            weakref.finalize(self, free_port_slot, slot)
-        init_method = collate_rendezvous(init_method, world_size, slot)
+        self._default_port = uses_default_port(init_method, world_size)  # its slot's port, at each start
+        init_method = collate_rendezvous(init_method, world_size)
         if stream := is_stream(dataset):  # an IterableDataset: odb_torch.stream_loading
             check_stream_config(self.config, rank, world_size, sampler)
         elif element_id is not None:
@@ -313,6 +309,7 @@ class ODBDataLoader:
         self._tail = TailPosition(0, ())  # a pooled epoch's pool position at the last yielded step
         self._epoch_open = False  # an iteration started and has not reached its EpochEnd
         self._completed: int | None = None  # the epoch whose EpochEnd was reached last
+        self._slot: int | None = None  # the default-port slot its running collate process holds
         self._serial = 0  # epochs started by this loader (the same on every rank: names trace files)
         self._generation = 0  # bumped by every iter() and close(): older iterators are stale
         self._stale_reason = ""
@@ -492,14 +489,17 @@ class ODBDataLoader:
         self._stream_point = self._stream_start
 
     def _start(self) -> None:
-        # the store's identity: this process's collate groups formed at this address so far
-        # (every loader's starts: two loaders on the default port are told apart too); ranks
-        # create and restart their loaders alike, so their counts agree
-        _STARTS[self._spec.init_method] = start = _STARTS.get(self._spec.init_method, 0) + 1
-        self._spec = dataclasses.replace(self._spec, start=start)
         sampler = self.sampler if self._elastic is None else ElasticOrder(
             check_sampler(self.sampler, self.rank, self.world_size), self._elastic)
         check_spawnable((self._spec, sampler), self._start_method, inspect.currentframe(), rank=self.rank)
+        if self._default_port:  # a port of its own while its collate process runs (freed by close())
+            self._slot = take_port_slot()
+            self._spec = dataclasses.replace(self._spec, init_method=collate_rendezvous(None, self.world_size,
+                                                                                        self._slot))
+        # the store's identity: this process's collate groups formed at this address so far
+        # (every loader's starts); ranks create and restart their loaders alike, so their counts agree
+        _STARTS[self._spec.init_method] = start = _STARTS.get(self._spec.init_method, 0) + 1
+        self._spec = dataclasses.replace(self._spec, start=start)
         self._ctrl = self._ctx.Queue()
         self._out = self._ctx.Queue(maxsize=self._queue_size)
         self._proc = self._ctx.Process(target=collate_main, args=(self._spec, sampler, self._ctrl, self._out),
@@ -508,6 +508,7 @@ class ODBDataLoader:
         try:
             self._proc.start()
         except (pickle.PicklingError, TypeError, AttributeError) as exc:  # what pickling the objects raises
+            self._free_slot()
             if self._start_method == "fork":
                 raise
             self._proc = None  # nothing started: the next iter() tries again
@@ -694,6 +695,12 @@ class ODBDataLoader:
             q.cancel_join_thread()
             q.close()
         self._ctrl = self._out = None
+        self._free_slot()
+
+    def _free_slot(self) -> None:
+        if self._slot is not None:
+            free_port_slot(self._slot)
+            self._slot = None
 
     def __enter__(self) -> ODBDataLoader:
         return self

@@ -9,6 +9,7 @@ loader refuses to start rather than silently ignore one of the two.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from odb_core import ODBConfig
@@ -60,9 +61,9 @@ def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 
 def collate_rendezvous(init_method: str | None, world_size: int, slot: int = 0) -> str:
-    """The collate group's ``tcp://`` rendezvous: as given; else ``ODB_COLLATE_PORT + slot``, or
-    ``MASTER_PORT + 1 + slot`` on ``MASTER_ADDR`` under DDP (``slot``: :func:`take_port_slot`'s);
-    else a free local port when alone."""
+    """The collate group's ``tcp://`` rendezvous: as given; else under DDP ``ODB_COLLATE_PORT +
+    slot``, or ``MASTER_PORT + 1 + slot``, on ``MASTER_ADDR`` (``slot``: :func:`take_port_slot`'s);
+    else (one rank) a free local port."""
     if init_method is not None:
         return init_method
     if uses_default_port(init_method, world_size):
@@ -72,22 +73,27 @@ def collate_rendezvous(init_method: str | None, world_size: int, slot: int = 0) 
 
 
 def uses_default_port(init_method: str | None, world_size: int) -> bool:
-    """Whether :func:`collate_rendezvous` picks the port from the environment (a slot's)."""
-    return init_method is None and ("ODB_COLLATE_PORT" in os.environ or world_size > 1)
+    """Whether :func:`collate_rendezvous` picks the port from the environment and a slot: a
+    loader of several ranks without an ``init_method``."""
+    return init_method is None and world_size > 1
 
 
 _SLOTS: set[int] = set()
+_SLOTS_LOCK = threading.Lock()
 
 
 def take_port_slot() -> int:
-    """The lowest default-port slot no live loader of this process holds, now held: a training
-    and an evaluation loader alive at once get ports of their own. Ranks build and drop their
-    loaders in the same order, so their slots agree. Freed by :func:`free_port_slot`."""
-    slot = next(k for k in range(len(_SLOTS) + 1) if k not in _SLOTS)
-    _SLOTS.add(slot)
+    """The lowest default-port slot no running collate group of this process holds, now held
+    (from the collate process's start to the loader's ``close()``): a training and an evaluation
+    loader running at once get ports of their own. Ranks start and close their loaders in the
+    same order, so their slots agree. Freed by :func:`free_port_slot`."""
+    with _SLOTS_LOCK:
+        slot = next(k for k in range(len(_SLOTS) + 1) if k not in _SLOTS)
+        _SLOTS.add(slot)
     return slot
 
 
 def free_port_slot(slot: int) -> None:
-    """``slot`` is free again (its loader was collected)."""
-    _SLOTS.discard(slot)
+    """``slot`` is free again (its collate process is gone)."""
+    with _SLOTS_LOCK:
+        _SLOTS.discard(slot)
