@@ -182,10 +182,11 @@ class ResumeStateError(CheckpointStateError):
     """Loader states cannot be merged into one sound global state for an elastic resume
     (a rank missing or twice, ranks disagreeing on the epoch, steps or seed, a position
     consumed twice or out of range); ``field`` names what is wrong, ``ranks`` the ranks
-    involved and ``indices`` the offending positions."""
+    involved (this ``rank`` when none are given: its own state) and ``indices`` the offending
+    positions."""
 
     def __init__(self, message: str = "", *, field: str = "", ranks: Sequence[int] = (),
                  indices: Sequence[int] = (), rank: int | None = None) -> None:
         super().__init__(message, rank=rank, indices=indices)
         self.field = field
-        self.ranks = tuple(ranks)
+        self.ranks = tuple(ranks) or ((rank,) if rank is not None else ())

@@ -109,3 +109,13 @@ def test_a_lone_state_that_is_not_this_worlds_own_says_what_it_is(state, field, 
         _map().load_state_dict(state)
     assert (err.value.field, err.value.ranks) == (field, (0,)), (err.value.field, err.value.ranks, str(err.value))
     assert says in str(err.value)
+
+
+@pytest.mark.parametrize(("change", "field"), [({"epoch": -1}, "epoch"), ({"order_digest": 5}, "order_digest"),
+                                               ({"stream": True}, "stream"), ({"consumed": "x"}, "consumed")])
+def test_a_resume_error_of_this_ranks_own_state_names_this_rank(change, field):
+    """Raised with this ``rank`` but no ``ranks``, these carried ``ranks=()`` while the seed's,
+    the size's and the shuffle's carried ``(0,)``: ranks now defaults to the raising rank."""
+    with pytest.raises(ResumeStateError) as err:
+        _map().load_state_dict(OWN | change)
+    assert (err.value.field, err.value.ranks, err.value.rank) == (field, (0,), 0), str(err.value)
