@@ -4,9 +4,10 @@ lowered until that run's peak fits too (on an H100 a budget whose worst shapes e
 of memory at step 8 of training). Real CPU runs (``tests/tune_check.py``, a fresh process): the
 reported budget's replay fits and peaks at least as high as every shape it ran does alone; a
 seeded replay that runs only its first shape is caught. Hypothesis: the replay's shapes are
-admitted by the budget (P3), hold its worst shapes and depend only on the seed; the search
-settles on the largest multiple of the step whose replay fits, which a search that ignores
-the replay (the seeded bug) does not."""
+admitted by the budget (P3), hold its worst shapes and depend only on the seed, and a larger
+budget's shapes hold a smaller one's; with replay peaks that grow with the budget the search
+settles on the largest multiple of the step whose replay fits, which a search that ignores the
+replay (the seeded bug) does not."""
 
 from __future__ import annotations
 
@@ -51,6 +52,25 @@ def test_replay_shapes_are_admitted_hold_the_worst_and_follow_the_seed(budget, t
     worst = worst_shapes(budget, token_budget, cutoff)[:steps]
     assert all(shapes.count(w) >= 1 for w in worst)
     assert replay_shapes(budget, token_budget, cutoff, steps, seed) == shapes
+
+
+@given(st.sampled_from(["padded", "packed"]), st.integers(1, 3000), st.integers(1, 3000), st.integers(1, 3000),
+       st.integers(1, 30), st.integers(0, 3))
+def test_a_larger_budget_groups_the_same_draws_into_shapes_that_hold_the_smaller_ones(budget, b1, extra, cutoff,
+                                                                                      steps, seed):
+    """Replays of two budgets differ in their shapes, not in their draws: place by place, the
+    larger budget's drawn shape has at least the rows and the length of the smaller one's (so
+    its replay holds at least as much, which the settling search relies on)."""
+    import odb_tools.tune.replay as replay_mod
+
+    saved = replay_mod.worst_shapes
+    replay_mod.worst_shapes = lambda *a, **k: []  # the drawn shapes alone
+    try:
+        small = replay_shapes(budget, b1, cutoff, steps, seed)
+        large = replay_shapes(budget, b1 + extra, cutoff, steps, seed)
+    finally:
+        replay_mod.worst_shapes = saved
+    assert all(y.batch >= x.batch and y.length >= x.length for x, y in zip(small, large)), (small, large)
 
 
 def _fake(a: float, c: float) -> tuple[Any, Any]:

@@ -38,22 +38,27 @@ def replay_shapes(budget: str, token_budget: int, cutoff: int, steps: int, seed:
     """``steps`` shapes ``token_budget`` admits under ``budget``, in a seeded order: its worst
     (:func:`worst_shapes`, each once, as many as fit in ``steps``) among shapes drawn as training
     meets them. Padded: a length l uniform in 1..cutoff, its group ``[B(l), l]`` (B(l) =
-    floor(L_max / l)), or the lone sample ``[1, l]`` when l > L_max. Packed: a row of t tokens,
-    t uniform in L_max/2..L_max (packed rows are nearly full), or that lone sample."""
+    floor(L_max / l)), or the lone sample ``[1, l]`` when l > L_max. Packed: a row of that sample
+    and others, a fraction 1/2..1 of L_max (packed rows are nearly full), or that lone sample. The draws and the order
+    depend on the seed, the budget's kind and the cut-off, not on L_max: every budget groups the
+    same lengths at the same places, so a larger budget's drawn shapes hold a smaller one's."""
     if steps < 1:
         raise ValueError(f"a replay needs at least one step, got {steps}")
-    rng = random.Random(f"{budget}/{token_budget}/{cutoff}/{seed}")
-    chosen = worst_shapes(budget, token_budget, cutoff)[:steps]
-    while len(chosen) < steps:
-        length = rng.randint(1, cutoff)
-        if length > token_budget:
-            chosen.append(Shape("single", 1, length, cutoff))
-        elif budget == "packed":
-            chosen.append(Shape("packed", 1, rng.randint(max(token_budget // 2, 1), token_budget), cutoff))
-        else:
-            chosen.append(Shape("padded", max(token_budget // length, 1), length, cutoff))
-    rng.shuffle(chosen)
-    return chosen
+    rng = random.Random(f"{budget}/{cutoff}/{seed}")
+    draws = [(rng.randint(1, cutoff), rng.random()) for _ in range(steps)]
+    order = list(range(steps))
+    rng.shuffle(order)
+    worst = worst_shapes(budget, token_budget, cutoff)[:steps]
+    chosen = worst + [_drawn(budget, token_budget, cutoff, *d) for d in draws[len(worst):]]
+    return [chosen[k] for k in order]
+
+
+def _drawn(budget: str, token_budget: int, cutoff: int, length: int, fraction: float) -> Shape:
+    if length > token_budget:
+        return Shape("single", 1, length, cutoff)
+    if budget == "packed":
+        return Shape("packed", 1, max(length, int(token_budget * (1 + fraction) / 2)), cutoff)
+    return Shape("padded", max(token_budget // length, 1), length, cutoff)
 
 
 def run_steps(model: nn.Module, shapes: list[Shape], vocab_size: int, device: str, optimizer: str) -> None:

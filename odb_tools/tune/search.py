@@ -124,10 +124,13 @@ def find_budget(search: Search, step: int, start: int, max_budget: int) -> tuple
 
 
 def settle(search: Search, found: int | None, step: int) -> tuple[int | None, int | None]:
-    """(the largest multiple of ``step`` up to ``found`` whose replay fits, the smallest replayed
-    budget above it that does not; None for either when there is none). Every budget up to
-    ``found`` fits shape by shape; the replay steps down from it by doubling decrements, then
-    bisects between the last that does not fit and the first that does."""
+    """(a multiple of ``step`` up to ``found`` whose replay fits, the next multiple, whose replay
+    does not; None for either when there is none), both replayed. Every budget up to ``found``
+    fits shape by shape; the replay steps down from it by doubling decrements, then bisects
+    between the last that does not fit and the first that does. When replay peaks grow with the
+    budget (each budget groups the same drawn lengths, :func:`replay_shapes`), the first is the
+    largest whose replay fits; a caching allocator's peaks need not be monotone, so that is not
+    guaranteed."""
     if found is None or search.replay_fits(found):
         return found, None
     over, gap = found, step
