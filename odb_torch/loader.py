@@ -539,22 +539,8 @@ class ODBDataLoader:
         elif not self._proc.is_alive():
             raise CollateProcessError(f"rank {self.rank}: the collate process is gone "
                                       f"(exit code {self._proc.exitcode}); create a new loader", rank=self.rank)
-        if self._resume is not None:
-            _, skip, first_step = self._resume
-            start, self._stream_point = self._stream_start, self._stream_start
-        else:
-            skip, first_step, start, self._stream_point = [], 0, None, None
-            self._consumed_ids = []
-        tail, self._tail = self._tail_resume, self._tail_resume or TailPosition(0, ())
-        order, self._order = self._order_resume, None
-        self._resume = self._stream_start = self._tail_resume = self._order_resume = None
-        self._consumed, self._steps = list(skip), first_step
-        self._recent.clear()
+        self._start_epoch(epoch)
         pending = (0, 0)  # positions and steps of skipped idle steps, charged to the next yield
-        self._ctrl.put(StartEpoch(epoch, tuple(skip), first_step, self._serial, start, tuple(self._consumed_ids),
-                                  None if tail is None else (tail.cursor, tail.claimed), order))
-        self._serial += 1
-        self._epoch_open = True
         while True:
             item = self._receive()
             if isinstance(item, EpochEnd):
@@ -584,6 +570,26 @@ class ODBDataLoader:
             if self._generation != generation:
                 raise LoaderStateError(f"rank {self.rank}: next() on a stale loader iterator: {self._stale_reason}; "
                                        "start a new `for batch in loader` loop", rank=self.rank)
+
+    def _start_epoch(self, epoch: int) -> None:
+        """Tell the collate process to run ``epoch`` from the loaded position, if any (then
+        released), else from its start; this loader's position restarts there."""
+        assert self._ctrl is not None
+        if self._resume is not None:
+            _, skip, first_step = self._resume
+            start, self._stream_point = self._stream_start, self._stream_start
+        else:
+            skip, first_step, start, self._stream_point = [], 0, None, None
+            self._consumed_ids = []
+        tail, self._tail = self._tail_resume, self._tail_resume or TailPosition(0, ())
+        order, self._order = self._order_resume, None
+        self._resume = self._stream_start = self._tail_resume = self._order_resume = None
+        self._consumed, self._steps = list(skip), first_step
+        self._recent.clear()
+        self._ctrl.put(StartEpoch(epoch, tuple(skip), first_step, self._serial, start, tuple(self._consumed_ids),
+                                  None if tail is None else (tail.cursor, tail.claimed), order))
+        self._serial += 1
+        self._epoch_open = True
 
     def _pinned(self, item: Batch) -> Any:
         """``item``'s batch page-locked; a failure is :class:`PinMemoryError` naming the rank and

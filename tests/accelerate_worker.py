@@ -38,6 +38,22 @@ def record(micro: Any, update: int, out: list[dict[str, Any]]) -> None:
                 "local_tokens": micro.info.local_tokens, "row": list(micro.batch["input_ids"].shape)})
 
 
+def no_cpu_flag(result: dict[str, Any]) -> None:
+    """``Accelerator()`` on a machine without GPUs (it counts 1 process on each rank), then ``odb_loader``."""
+    from accelerate import Accelerator
+
+    from odb_core.errors import UnsupportedSettingError
+    from odb_torch.integrations.accelerate import odb_loader
+
+    accelerator = Accelerator()
+    result["counted"] = accelerator.num_processes
+    try:
+        loader = odb_loader(accelerator, TokenDataset(N), token_budget=256, num_workers=0)
+        result["loader_world"] = loader.world_size
+    except UnsupportedSettingError as exc:
+        result["refused"] = {"field": exc.field, "rank": exc.rank, "message": str(exc)}
+
+
 def main() -> None:
     out, mode = sys.argv[1], sys.argv[2]
     budget = sys.argv[3] if len(sys.argv) > 3 else "padded"
@@ -84,19 +100,8 @@ def main() -> None:
              "padding": m.is_padding, "idle": m.info.is_idle, "multiplier": m.loss_multiplier,
              "local_tokens": m.info.local_tokens}))
         result["records"] = records
-    elif mode == "no_cpu_flag":  # Accelerator() on a machine without GPUs: it counts 1 process on each rank
-        from accelerate import Accelerator
-
-        from odb_core.errors import UnsupportedSettingError
-        from odb_torch.integrations.accelerate import odb_loader
-
-        accelerator = Accelerator()
-        result["counted"] = accelerator.num_processes
-        try:
-            loader = odb_loader(accelerator, TokenDataset(N), token_budget=256, num_workers=0)
-            result["loader_world"] = loader.world_size
-        except UnsupportedSettingError as exc:
-            result["refused"] = {"field": exc.field, "rank": exc.rank, "message": str(exc)}
+    elif mode == "no_cpu_flag":
+        no_cpu_flag(result)
     else:
         steps: list[dict[str, Any]] = []
         guide.train_join(on_batch=lambda info: steps.append(

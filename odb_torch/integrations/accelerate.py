@@ -51,7 +51,7 @@ def odb_loader(accelerator: Any, dataset: Any, *, token_budget: int, **loader_kw
     Do not pass it to ``accelerator.prepare``: Accelerate would re-shard it. ``loss_tokens_fn``
     defaults to :func:`~odb_torch.losses.shifted_loss_tokens` (causal LMs), ``collate_fn`` to
     :func:`~odb_torch.pad_collate` (:func:`~odb_torch.packed_collate` under ``budget="packed"``).
-    An ``accelerator`` that counts fewer processes than the job has is refused
+    An ``accelerator`` that counts another number of processes than the job has is refused
     (:func:`check_accelerator_world`).
     """
     check_accelerator_world(accelerator)
@@ -80,8 +80,8 @@ def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Opt
 
 def check_accelerator_world(accelerator: Any) -> None:
     """:class:`~odb_core.errors.UnsupportedSettingError` (field ``num_processes``) when the job has
-    more processes than ``accelerator`` counts (``torch.distributed``'s world, else the launcher's
-    ``WORLD_SIZE``). On a machine without GPUs, ``Accelerator()`` under torchrun counts one
+    another number of processes than ``accelerator`` counts (``torch.distributed``'s world, else
+    the launcher's ``WORLD_SIZE``). On a machine without GPUs, ``Accelerator()`` under torchrun counts one
     process on every rank (``DistributedType.NO``) while torch.distributed holds them all: each
     rank would then train the whole dataset alone, an undivided model on each (P4 across ranks).
     ``Accelerator(cpu=True)`` counts them."""

@@ -216,9 +216,10 @@ def refuse(who: str, problems: list[tuple[str, str]]) -> None:
 
 
 def check_loader_keywords(who: str, odb_kwargs: Mapping[str, Any]) -> None:
-    """:class:`UnsupportedSettingError` (``fields``: the unknown ones) for an ``odb_kwargs`` key that
-    :class:`~odb_torch.ODBDataLoader` does not take, or that the trainer passes itself, at
-    construction (it surfaced at ``train()``, as a bare ``TypeError``)."""
+    """:class:`UnsupportedSettingError` (``fields``: the unknown ones) at construction for an
+    ``odb_kwargs`` key :class:`~odb_torch.ODBDataLoader` does not take (``dataset`` and
+    ``token_budget`` are the trainer's own arguments); it surfaced at ``train()``, as a bare
+    ``TypeError``."""
     import difflib
     import inspect
 

@@ -166,10 +166,11 @@ class ODBLightningCallback(Callback):
                 "Subset) for a short epoch", field="limit_train_batches")
         if trainer.accumulate_grad_batches != self.accumulate_grad_batches:
             raise UnsupportedSettingError(
-                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) differs from "
+                f"rank {trainer.global_rank}: Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) "
+                "differs from "
                 f"ODBLightningCallback(accumulate_grad_batches={self.accumulate_grad_batches}): the windows' exact "
                 "weights (P7) hold only when both count the same micro-batches per update; give both the same",
-                field="accumulate_grad_batches")
+                field="accumulate_grad_batches", rank=trainer.global_rank)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._t0, self._samples0 = time.monotonic(), self.windows().samples_seen
