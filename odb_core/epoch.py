@@ -187,7 +187,9 @@ class EpochDriver:
         facts = {**(facts or {}), "pool_cursor": self.tail.cursor if self.tail is not None else 0,
                  "skip_idle": int(self.skip_idle)}
         self._hello_fields = [*PROTOCOL_FIELDS, *sorted(facts)]
-        values: list[object] = [getattr(self.config, f) for f in PROTOCOL_FIELDS]
+        # depth as used (None: the buffer size), so a default and the same value given agree
+        values: list[object] = [self.config.outstanding_depth if f == "depth" else getattr(self.config, f)
+                                for f in PROTOCOL_FIELDS]
         values += [facts[k] for k in sorted(facts)]
         self._hello_values = values
         return [HELLO_MAGIC, len(values), self.epoch, *(_digest(v) for v in values)]
@@ -206,10 +208,11 @@ class EpochDriver:
             differ = [r for r, v in enumerate(gathered) if int(v[2 + k]) != mine[2 + k]]
             if differ:
                 value = self.epoch if k == 0 else self._hello_values[k - 1]
+                fix = ("every rank must call set_epoch with the same epoch before iterating" if k == 0 else
+                       "every rank must build its loader with the same protocol configuration, sampler and dataset")
                 raise ConfigMismatchError(
                     f"rank {self.rank}: ranks disagree on {name}: this rank has {value!r}, ranks {differ} "
-                    "have another value; every rank must build its loader with the same protocol "
-                    "configuration, sampler and dataset", rank=self.rank, field=name, ranks=differ)
+                    f"have another value; {fix}", rank=self.rank, field=name, ranks=differ)
 
     # ---- logical iterations -------------------------------------------------------------
     @property

@@ -107,6 +107,24 @@ def test_ranks_that_disagree_on_skip_idle_fail_the_handshake():
     assert info.value.field == "skip_idle" and info.value.ranks == (1,)
 
 
+@pytest.mark.parametrize(("depths", "agree"), [((None, 32), True), ((None, 64), False), ((64, 64), True)])
+def test_the_handshake_compares_the_depth_in_use(depths, agree):
+    """``depth=None`` means the buffer size: a rank leaving it out and one giving ``depth=32`` with
+    ``buffer_size=32`` run the same protocol, yet were refused (``field="depth"``, "this rank has
+    None"); a real difference is still named."""
+    from odb_core.epoch import EpochDriver
+    from odb_core.errors import ConfigMismatchError
+
+    drivers = [EpochDriver(ODBConfig(token_budget=10, buffer_size=32, depth=d), r, 2) for r, d in enumerate(depths)]
+    gathered = [d.hello() for d in drivers]
+    if agree:
+        drivers[0].check_hello(gathered)
+        return
+    with pytest.raises(ConfigMismatchError) as info:
+        drivers[0].check_hello(gathered)
+    assert info.value.field == "depth" and info.value.ranks == (1,) and "None" not in str(info.value)
+
+
 @pytest.mark.parametrize(("field", "value"), [("regroup_padding", False), ("regroup_padding", "0.5"),
                                               ("shared_tail", True), ("shared_tail", "0.3"),
                                               ("output_capacity", 2**63)])
