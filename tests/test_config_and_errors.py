@@ -179,3 +179,15 @@ def test_every_error_and_warning_of_the_one_tree_is_importable_from_odb_core():
     for name, cls in defined.items():
         assert getattr(odb_core, name, None) is cls and name in odb_core.__all__, name
         assert issubclass(cls, errors.ODBError) or issubclass(cls, errors.ODBWarning), name
+
+
+def test_ranks_on_other_epochs_are_told_to_call_set_epoch_alike():
+    """The epoch mismatch said to build every loader with the same configuration; what differs
+    is the epoch each rank's loop asked for (``set_epoch``)."""
+    from odb_core.epoch import EpochDriver
+    from odb_core.errors import ConfigMismatchError
+
+    drivers = [EpochDriver(ODBConfig(token_budget=10), r, 2, epoch=r) for r in range(2)]
+    with pytest.raises(ConfigMismatchError) as info:
+        drivers[1].check_hello([d.hello() for d in drivers])
+    assert info.value.field == "epoch" and "set_epoch with the same epoch" in str(info.value)
