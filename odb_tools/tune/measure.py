@@ -110,16 +110,24 @@ def peak_in_child(model: nn.Module, run: Callable[[], None], vocab_size: int, op
 def measure_cuda(model: nn.Module, shape: Shape, vocab_size: int, optimizer: str = "none") -> Measurement:
     """``torch.cuda.max_memory_allocated`` over :func:`train_step` on the model's device."""
     device = str(next(model.parameters()).device)
+    peak, error = peak_on_cuda(model, lambda: train_step(model, shape, vocab_size, device, optimizer),
+                               torch.cuda.max_memory_allocated)
+    return Measurement(shape, peak, error)
+
+
+def peak_on_cuda(model: nn.Module, run: Callable[[], None], peak: Callable[[], int]) -> tuple[int | None, str | None]:
+    """(``peak()``, None) after ``run()`` from an emptied cache with its peaks reset, or (None, the
+    error) on ``torch.cuda.OutOfMemoryError``; the model's gradients dropped and the cache emptied after."""
     model.zero_grad(set_to_none=True)
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     try:
-        train_step(model, shape, vocab_size, device, optimizer)
+        run()
         torch.cuda.synchronize()
-        return Measurement(shape, int(torch.cuda.max_memory_allocated()))
+        return int(peak()), None
     except torch.cuda.OutOfMemoryError as exc:
-        return Measurement(shape, None, f"OutOfMemoryError: {str(exc)[:200]}")
+        return None, f"OutOfMemoryError: {str(exc)[:200]}"
     finally:
         model.zero_grad(set_to_none=True)
         gc.collect()

@@ -12,14 +12,13 @@ the device, which is what runs out), the forked child's peak RSS on a CPU.
 
 from __future__ import annotations
 
-import gc
 import random
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from odb_tools.tune.measure import peak_in_child
+from odb_tools.tune.measure import peak_in_child, peak_on_cuda
 from odb_tools.tune.model import call_loss
 from odb_tools.tune.shapes import Shape, worst_shapes
 
@@ -90,17 +89,6 @@ def replay_cuda(model: nn.Module, token_budget: int, shapes: list[Shape], vocab_
     """The replay in this process, from an emptied cache: ``torch.cuda.max_memory_reserved``;
     ``torch.cuda.OutOfMemoryError`` is a replay that does not fit."""
     device = str(next(model.parameters()).device)
-    model.zero_grad(set_to_none=True)
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    try:
-        run_steps(model, shapes, vocab_size, device, optimizer)
-        torch.cuda.synchronize()
-        return Replay(token_budget, tuple(shapes), int(torch.cuda.max_memory_reserved()))
-    except torch.cuda.OutOfMemoryError as exc:
-        return Replay(token_budget, tuple(shapes), None, f"OutOfMemoryError: {str(exc)[:200]}")
-    finally:
-        model.zero_grad(set_to_none=True)
-        gc.collect()
-        torch.cuda.empty_cache()
+    peak, error = peak_on_cuda(model, lambda: run_steps(model, shapes, vocab_size, device, optimizer),
+                               torch.cuda.max_memory_reserved)
+    return Replay(token_budget, tuple(shapes), peak, error)
