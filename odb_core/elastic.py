@@ -312,31 +312,30 @@ def check_order(recorded: Mapping[str, Any], current: Mapping[str, int], rank: i
             raise ResumeStateError(
                 f"rank {rank}: the checkpoint's sampler had {key}={int(recorded[key])}, this loader's has "
                 f"{key}={current[key]}: the epoch's order differs, so resuming would repeat some samples and skip "
-                f"others; build the loader with the first run's {key}", field=key, ranks=[rank], rank=rank)
+                f"others; build the loader with the first run's {key}", field=key, rank=rank)
 
 
-def check_single_state(state: Mapping[str, Any], rank: int, world: int) -> bool:
-    """Whether ``state``, a mapping that is not a merged global state, is this world's own rank
-    state (then :func:`check_own_state` applies). :class:`ResumeStateError` (``ranks=[rank]``) when
-    it cannot be either: an adapter's windows state (``field="loader"``: it holds the loader's
-    state under ``"loader"``), a mapping without ``world_size`` or ``rank`` (that field: not a
-    state_dict), or one rank's state of another world size (``field="kind"``, naming both sizes:
-    another world needs every rank's states)."""
+def check_single_state(state: Mapping[str, Any], rank: int, world: int) -> None:
+    """``state``, a mapping that is not a merged global state, must be a rank state of this
+    world (then :func:`check_own_state` applies); :class:`ResumeStateError` when it is not: an
+    adapter's windows state (``field="loader"``: it holds the loader's state under
+    ``"loader"``), a mapping without ``world_size`` or ``rank`` (that field: not a state_dict),
+    or one rank's state of another world size (``field="kind"``, naming both sizes: another
+    world needs every rank's states)."""
     if "world_size" not in state and isinstance(state.get("loader"), Mapping):
         raise ResumeStateError(
             f"rank {rank}: the state is an accumulation-windows state (an adapter's odb_state_rank*.json, the loader's "
             "own under 'loader'): load it with odb_torch.windows.load_windows_state or the adapter's loading, or "
-            "pass its 'loader' entry", field="loader", ranks=[rank], rank=rank)
+            "pass its 'loader' entry", field="loader", rank=rank)
     missing = [k for k in ("world_size", "rank") if k not in state]
     if missing:
         raise ResumeStateError(f"rank {rank}: the state lacks {missing}: not an ODBDataLoader.state_dict() (its keys: "
-                               f"{sorted(map(str, state))[:8]})", field=missing[0], ranks=[rank], rank=rank)
+                               f"{sorted(map(str, state))[:8]})", field=missing[0], rank=rank)
     if state["world_size"] != world:
         raise ResumeStateError(
             f"rank {rank}: the state is rank {state['rank']!r}'s of a world of {state['world_size']!r} ranks, this "
             f"loader's world has {world}: a single rank's state cannot resume another world size; pass the list "
-            "of every rank's state_dict, or their merge_states(...).to_dict()", field="kind", ranks=[rank], rank=rank)
-    return True
+            "of every rank's state_dict, or their merge_states(...).to_dict()", field="kind", rank=rank)
 
 
 def check_own_state(state: Mapping[str, Any], rank: int, seed: int) -> None:
@@ -348,7 +347,7 @@ def check_own_state(state: Mapping[str, Any], rank: int, seed: int) -> None:
     sampler is the caller's check (:func:`check_positions`)."""
     missing = [k for k in OWN_FIELDS if k not in state]
     if missing:
-        raise ResumeStateError(f"rank {rank}: the state lacks {missing}", field=missing[0], ranks=[rank], rank=rank)
+        raise ResumeStateError(f"rank {rank}: the state lacks {missing}", field=missing[0], rank=rank)
     for key, mine in (("rank", rank), ("seed", seed)):
         if state[key] != mine:
             raise ResumeStateError(f"rank {rank}: the state's {key}={state[key]!r} is not this loader's {mine!r}",

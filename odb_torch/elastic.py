@@ -95,13 +95,12 @@ def plan_resume(sampler: Any, rank: int, world: int, seed: int,
     merged = global_state_from(state)
     if merged.seed != seed:
         raise ResumeStateError(f"rank {rank}: the checkpoint's seed {merged.seed} is not this loader's {seed}",
-                               field="seed", ranks=[rank], rank=rank)
+                               field="seed", rank=rank)
     expected = order_total(ds, merged.order_world, merged.order_tail)
     if expected != merged.total:
         raise ResumeStateError(
             f"rank {rank}: the checkpoint's order holds {merged.total} views, this dataset and sampler give "
-            f"{expected} on {merged.order_world} ranks (another dataset or drop_last?)", field="total", ranks=[rank],
-            rank=rank)
+            f"{expected} on {merged.order_world} ranks (another dataset or drop_last?)", field="total", rank=rank)
     check_order(dict(merged.order), ds, rank)
     views = tuple(assign_views(merged, world, rank))
     return merged, ElasticEpoch(merged.epoch, views, merged.total - len(merged.consumed), merged.order_world,

@@ -455,8 +455,8 @@ class ODBDataLoader:
             raise ResumeStateError(f"rank {self.rank}: the state is a stream's (its positions name the stream's "
                                    "elements), this loader reads a map-style dataset through its sampler; resume "
                                    "it with the stream", field="stream", rank=self.rank)
-        if isinstance(state, Mapping) and state.get("kind") != "odb-global" and check_single_state(
-                state, self.rank, self.world_size):
+        if isinstance(state, Mapping) and state.get("kind") != "odb-global":
+            check_single_state(state, self.rank, self.world_size)  # this world's own, or a typed error
             check_own_state(state, self.rank, self.config.seed)
             check_order(state, self.sampler, self.rank)
             share = rank_share(state)

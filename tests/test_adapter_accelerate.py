@@ -78,3 +78,23 @@ def test_an_accelerator_that_counts_one_process_of_two_is_refused_on_every_rank(
         refused = result["refused"]
         assert (refused["field"], refused["rank"]) == ("num_processes", r), refused
         assert "Accelerator(cpu=True)" in refused["message"] and "this job has 2" in refused["message"]
+
+
+def test_a_launchers_world_without_a_process_group_is_compared_too(monkeypatch):
+    """Before torch.distributed is initialised the launcher's WORLD_SIZE and RANK are the job's:
+    an accelerator counting one process of a WORLD_SIZE=2 job is refused naming RANK; one that
+    counts the job's processes, or a lone process with no launcher, is accepted."""
+    from types import SimpleNamespace
+
+    from odb_core.errors import UnsupportedSettingError
+    from odb_torch.integrations.accelerate import check_accelerator_world
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(UnsupportedSettingError) as err:
+        check_accelerator_world(SimpleNamespace(num_processes=1, distributed_type="NO"))
+    assert (err.value.field, err.value.rank) == ("num_processes", 1) and "this job has 2" in str(err.value)
+    check_accelerator_world(SimpleNamespace(num_processes=2))
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    check_accelerator_world(SimpleNamespace(num_processes=1))

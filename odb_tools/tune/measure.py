@@ -46,14 +46,19 @@ class Measurement:
     error: str | None = None
 
 
+def make_optimizer(model: nn.Module, optimizer: str) -> torch.optim.Optimizer | None:
+    """The optimizer whose state a measured step keeps resident (:data:`OPTIMIZERS`; None for "none")."""
+    if optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-6)
+    if optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=1e-6)
+    return None
+
+
 def train_step(model: nn.Module, shape: Shape, vocab_size: int, device: str, optimizer: str) -> None:
     """Forward + backward on ``shape`` (twice, each followed by a step, with an optimizer)."""
     batch = shape.tensors(vocab_size, device)
-    opt: torch.optim.Optimizer | None = None
-    if optimizer == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    elif optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    opt = make_optimizer(model, optimizer)
     for _ in range(1 if opt is None else 2):
         call_loss(model, batch).backward()  # type: ignore[no-untyped-call]
         if opt is not None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from odb_tools.tune.measure import peak_in_child, peak_on_cuda
+from odb_tools.tune.measure import make_optimizer, peak_in_child, peak_on_cuda
 from odb_tools.tune.model import call_loss
 from odb_tools.tune.shapes import Shape, worst_shapes
 
@@ -63,11 +63,7 @@ def _drawn(budget: str, token_budget: int, cutoff: int, length: int, fraction: f
 def run_steps(model: nn.Module, shapes: list[Shape], vocab_size: int, device: str, optimizer: str) -> None:
     """One training step per shape, in order: forward, backward and (with an optimizer, built
     once, its state resident from the first step on) the optimizer's step."""
-    opt: torch.optim.Optimizer | None = None
-    if optimizer == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    elif optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    opt = make_optimizer(model, optimizer)
     for shape in shapes:
         call_loss(model, shape.tensors(vocab_size, device)).backward()  # type: ignore[no-untyped-call]
         if opt is not None:

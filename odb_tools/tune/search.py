@@ -189,7 +189,7 @@ def _replays(search: Search) -> dict[str, Any] | None:
         return None
     return {"steps": search.replay_steps, "seed": search.seed,
             "measure": "peak RSS of a forked child" if search.device == "cpu" else "torch.cuda.max_memory_reserved",
-            "budgets": [{"token_budget": r.token_budget, "fits": r.peak is not None and r.peak <= search.limit,
+            "budgets": [{"token_budget": r.token_budget, "fits": search.replay_fits(r.token_budget),
                          "peak_bytes": r.peak, "error": r.error, "shapes": [s.label() for s in r.shapes]}
                         for r in sorted(search.replays.values(), key=lambda r: r.token_budget)]}
 

@@ -23,6 +23,7 @@ What changes against a stock ``Trainer``:
 from __future__ import annotations
 
 import copy
+import difflib
 import inspect
 import math
 import os
@@ -220,11 +221,6 @@ def check_loader_keywords(who: str, odb_kwargs: Mapping[str, Any]) -> None:
     ``odb_kwargs`` key :class:`~odb_torch.ODBDataLoader` does not take (``dataset`` and
     ``token_budget`` are the trainer's own arguments); it surfaced at ``train()``, as a bare
     ``TypeError``."""
-    import difflib
-    import inspect
-
-    from odb_torch.loader import ODBDataLoader
-
     taken = set(inspect.signature(ODBDataLoader.__init__).parameters) - {"self", "dataset", "token_budget"}
     unknown = sorted(k for k in odb_kwargs if k not in taken)
     if unknown:
