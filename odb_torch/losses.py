@@ -36,11 +36,16 @@ def check_loss_tokens(tokens: int | torch.Tensor, counted: int, indices: Sequenc
 
 def shifted_loss_tokens(sample: Mapping[str, Any]) -> int:
     """Loss tokens of a causal-LM sample: labels after the first position that are not -100
-    (without labels: every position after the first)."""
+    (without labels: every position after the first). Labels that are not one row are a
+    ValueError (the loader reports it as the sample's ``InvalidSampleError``)."""
     labels = sample.get("labels")
     if labels is None:
         return max(len(sample["input_ids"]) - 1, 0)
-    return int((signed_labels(torch.as_tensor(labels)[1:]) != IGNORE_INDEX).sum())
+    row = torch.as_tensor(labels)
+    if row.dim() != 1:  # rows of a [1, L] tensor would be sliced instead of positions
+        raise ValueError(f"labels has shape {list(row.shape)}, not one row of labels (squeeze a tokenizer's "
+                         "batch dimension)")
+    return int((signed_labels(row[1:]) != IGNORE_INDEX).sum())
 
 
 def signed_labels(labels: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,16 @@ FLASH_IMPLEMENTATIONS = frozenset({"flash_attention_2", "flash_attention_3", "fl
 #: sequence from restarting ``position_ids`` (only without a 2D attention mask and without a cache)
 MASKED_IMPLEMENTATIONS = frozenset({"eager", "sdpa", "flex_attention"})
 
+#: ``config.model_type`` of the architectures whose packed logits equal their sequences' alone
+#: (eager and sdpa, tiny configs, ``tests/test_packed_architectures.py``). Importing
+#: ``create_causal_mask`` is not enough: OPT, BioGPT, Falcon, MPT and Bloom call it without
+#: ``position_ids``, and hybrid models (Bamba, Jamba, LFM2) run recurrent or convolution
+#: layers across the whole row; all of those mix packed sequences.
+PACKED_MODEL_TYPES = frozenset({
+    "cohere", "gemma", "gemma2", "gemma3_text", "gpt2", "gpt_neox", "granite", "llama", "mistral", "mixtral",
+    "olmo", "olmo2", "phi", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "stablelm", "starcoder2",
+})
+
 
 def packed_collate(samples: Sequence[Mapping[str, Any]], label_pad_id: int = IGNORE_INDEX) -> dict[str, Any]:
     """One padding-free row from ``samples`` (each with ``input_ids``, optional ``labels``).
@@ -52,7 +62,8 @@ def packed_collate(samples: Sequence[Mapping[str, Any]], label_pad_id: int = IGN
     No ``attention_mask`` (a 2D mask would stop ``transformers`` from separating the samples;
     an all-ones one the samples carry is left out: the row has no padding). Any other field goes
     through torch's ``default_collate``, as in ``pad_collate``. Labels of another length than a
-    sample's ``input_ids``, an ``attention_mask`` with zeros (a padded sample: the row would train
+    sample's ``input_ids``, ``input_ids`` or ``labels`` that are not one row of integers (a
+    ``[1, L]`` row, float or bool values: a cast would change them), an ``attention_mask`` with zeros (a padded sample: the row would train
     on its padding), fields that differ between samples, and a failing ``default_collate`` are
     :class:`~odb_core.errors.InvalidSampleError` naming the sample's place in the group or the field
     (the loader adds the dataset indices: ``CollateFnError``). A field with one entry per token (its
@@ -62,10 +73,10 @@ def packed_collate(samples: Sequence[Mapping[str, Any]], label_pad_id: int = IGN
     if not samples:
         raise InvalidSampleError("packed_collate needs at least one sample")
     check_fields(samples, "packed_collate", _ROW_FIELDS)  # the row takes each sample's own
-    ids = [torch.as_tensor(s["input_ids"], dtype=torch.int64).reshape(-1) for s in samples]
+    ids = [_token_row(s["input_ids"], k, "input_ids") for k, s in enumerate(samples)]
     labels = []
     for k, (s, row) in enumerate(zip(samples, ids, strict=True)):
-        lab = torch.as_tensor(s["labels"], dtype=torch.int64).reshape(-1).clone() if "labels" in s else row.clone()
+        lab = _token_row(s["labels"], k, "labels").clone() if "labels" in s else row.clone()
         if len(lab) != len(row):
             raise InvalidSampleError(f"sample {k} of the group: {len(lab)} labels for {len(row)} input_ids")
         lab[:1] = label_pad_id
@@ -79,6 +90,21 @@ def packed_collate(samples: Sequence[Mapping[str, Any]], label_pad_id: int = IGN
     return {**rest, "input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None],
             "position_ids": torch.cat([torch.arange(len(r), dtype=torch.int64) for r in ids])[None],
             "cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone(), "max_length_q": longest, "max_length_k": longest}
+
+
+def _token_row(value: Any, k: int, field: str) -> torch.Tensor:
+    """``value`` as one int64 row; :class:`~odb_core.errors.InvalidSampleError` naming sample ``k``
+    and ``field`` if it is not one row of integers (a ``[1, L]`` tokenizer output, float or bool
+    values: cast, they would silently become other tokens or labels)."""
+    row = torch.as_tensor(value)
+    if row.dim() != 1:
+        raise InvalidSampleError(f"packed_collate: sample {k} of the group: {field} has shape {list(row.shape)}, "
+                                 "not one row (squeeze a tokenizer's batch dimension)")
+    dtype = row.dtype
+    if row.numel() and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+        raise InvalidSampleError(f"packed_collate: sample {k} of the group: {field} are {dtype}, not integer "
+                                 "token ids (a cast would change them)")
+    return row.to(torch.int64)
 
 
 def _check_masks(samples: Sequence[Mapping[str, Any]], ids: list[torch.Tensor]) -> None:
@@ -134,7 +160,8 @@ def check_packed_attention(model: torch.nn.Module, device: str | torch.device | 
     model, or a module holding one) would let the samples of a packed row attend to each
     other; return its attention implementation when it keeps them apart.
 
-    Safe: ``flash_attention_2/3/4`` (varlen kernels over ``cu_seq_lens_*``/``position_ids``);
+    Only the architectures of :data:`PACKED_MODEL_TYPES` (``config.model_type``) are accepted, and
+    for them: ``flash_attention_2/3/4`` (varlen kernels over ``cu_seq_lens_*``/``position_ids``);
     ``eager``, ``sdpa``, ``flex_attention`` when the model builds its mask with
     ``transformers.masking_utils.create_causal_mask`` and ``config.use_cache`` is False (a
     cache, even an empty one, switches the per-sequence mask off). Anything else is refused.
@@ -149,6 +176,13 @@ def check_packed_attention(model: torch.nn.Module, device: str | torch.device | 
     config = hf.config
     impl = str(config._attn_implementation)
     name = type(hf).__name__
+    kind = getattr(config, "model_type", None)
+    if kind not in PACKED_MODEL_TYPES:
+        raise PackedAttentionError(
+            f"{name} (model_type {kind!r}) with attn_implementation={impl!r}: not an architecture ODB has shown to "
+            "keep packed sequences apart (some call the mask builder without position_ids, some run recurrent or "
+            f"convolution layers across the row); verified: {', '.join(sorted(PACKED_MODEL_TYPES))}. Use "
+            "budget='padded'", model_class=name, attn_implementation=impl)
     if impl in FLASH_IMPLEMENTATIONS:
         return impl
     if impl not in MASKED_IMPLEMENTATIONS:

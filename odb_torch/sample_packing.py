@@ -158,13 +158,16 @@ def unpack(chunk: PackedChunk) -> list[Any]:
 def default_length(sample: Any) -> int:
     """``len(sample["input_ids"])`` of a 1-D sequence of token ids; a ValueError naming the field
     for anything else (a tokenizer's ``return_tensors="pt"`` row of shape ``[1, L]`` would
-    otherwise count as one token, and a string as its characters)."""
+    otherwise count as one token, a string as its characters; a float or bool tensor holds no
+    token ids)."""
     ids = sample["input_ids"]
     ndim = getattr(ids, "ndim", 1)  # tensors and arrays say their dimensions
     if ndim != 1:
         raise ValueError(f"input_ids has shape {list(ids.shape)}, not one row of token ids (squeeze a "
                          "tokenizer's batch dimension)")
     if isinstance(ids, torch.Tensor):
+        if ids.numel() and (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool):
+            raise ValueError(f"input_ids are {ids.dtype}, not integer token ids")
         return ids.shape[0]
     if isinstance(ids, (str, bytes)) or (len(ids) and not _is_index(ids[0])):
         raise ValueError(f"input_ids is a {type(ids).__name__} starting {reprlib.repr(ids[0] if len(ids) else ids)}, "

@@ -64,6 +64,32 @@ def test_labels_of_another_length_name_the_sample():
         packed_collate([{"input_ids": [1]}, {"input_ids": [1, 2, 3], "labels": [1, 2]}])
 
 
+@pytest.mark.parametrize("field, value, problem", [
+    ("input_ids", torch.tensor([5.7, 9.2, 3.99]), "input_ids are torch.float32, not integer"),
+    ("input_ids", torch.tensor([True, False, True]), "input_ids are torch.bool"),
+    ("labels", [1, 9.6, 3.5], "labels are torch.float32"),
+    ("labels", torch.tensor([[1, 2, 3]]), r"labels has shape \[1, 3\], not one row"),
+    ("input_ids", torch.tensor([[1, 2, 3]]), r"input_ids has shape \[1, 3\], not one row"),
+])
+def test_ids_or_labels_that_are_not_one_row_of_integers_name_the_sample_and_field(field, value, problem):
+    """A cast would truncate 5.7 to token 5 and a flattened [1, L] row would count its labels
+    differently from shifted_loss_tokens (P7): each is refused, naming the sample and field."""
+    from odb_core.errors import InvalidSampleError
+
+    bad = {"input_ids": torch.tensor([4, 5, 6]), field: value}
+    with pytest.raises(InvalidSampleError, match=f"sample 1 of the group: {problem}"):
+        packed_collate([{"input_ids": [1, 2]}, bad])
+    assert packed_collate([{"input_ids": []}, {"input_ids": [1, 2]}])["input_ids"].tolist() == [[1, 2]]
+
+
+def test_shifted_loss_tokens_refuses_labels_that_are_not_one_row():
+    """Slicing [1, L] labels drops their one row, not the first position: 0 tokens counted where
+    the collates' loss sums L - 1."""
+    assert shifted_loss_tokens({"input_ids": [1, 2, 3], "labels": [1, 2, 3]}) == 2
+    with pytest.raises(ValueError, match=r"labels has shape \[1, 3\]"):
+        shifted_loss_tokens({"input_ids": [1, 2, 3], "labels": torch.tensor([[1, 2, 3]])})
+
+
 def separated(model: torch.nn.Module) -> bool:
     """Whether the packed row's logits equal those of the sequences alone (forward only)."""
     group = samples()[:3]
@@ -220,6 +246,42 @@ def test_the_hf_trainer_turns_the_cache_off_before_the_check(tmp_path):
     model.config.use_cache = True
     trainer = refuse_hf(model, str(tmp_path), use_cache=False)
     assert trainer.model.config.use_cache is False and separated(trainer.model)
+
+
+def test_the_hf_trainer_checks_a_model_init_model_as_it_checks_a_model(tmp_path):
+    """Trainer builds the model from ``model_init`` in ``__init__`` (and again in ``train()``): an
+    architecture that mixes packed rows is refused there too, not trained silently."""
+    from odb_torch.integrations.hf import ODBTrainer
+
+    def model_init() -> torch.nn.Module:
+        config = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=16, ffn_dim=32, word_embed_proj_dim=16,
+                                        num_hidden_layers=1, num_attention_heads=2, use_cache=False)
+        return transformers.OPTForCausalLM(config)
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(PackedAttentionError, match="OPTForCausalLM.*'opt'"):
+        ODBTrainer(model_init=model_init, args=args, train_dataset=samples(), token_budget=64,
+                   odb_kwargs={"budget": "packed"})
+
+
+def test_the_hf_trainer_refuses_a_forward_that_would_drop_the_packed_positions(tmp_path):
+    """A wrapper whose forward names (input_ids, labels) only: the Trainer's input pruning would
+    drop position_ids, so the row would reach the model as one sequence; padded, it is accepted."""
+    from odb_torch.integrations.hf import ODBTrainer
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, lm: torch.nn.Module) -> None:
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, input_ids, labels=None):
+            return self.lm(input_ids=input_ids)
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    kw = dict(args=args, train_dataset=samples(), token_budget=64)
+    with pytest.raises(PackedAttentionError, match=r"Wrapper.forward\(input_ids, labels\) takes no position_ids"):
+        ODBTrainer(model=Wrapper(tiny_model("llama", "sdpa")), odb_kwargs={"budget": "packed"}, **kw)
+    ODBTrainer(model=Wrapper(tiny_model("llama", "sdpa")), **kw)
 
 
 def test_the_budget_keyword_reaches_the_config_through_from_dataloader_and_picks_the_adapters_collate():

@@ -79,6 +79,8 @@ INPUT_IDS = st.one_of(
     ROWS.filter(len).map(lambda r: ("batched", torch.tensor([r]))),              # tokenizer(..., return_tensors="pt")
     ROWS.filter(len).map(lambda r: ("batched", [r])),                            # a batched tokenizer call
     st.text(min_size=1, max_size=8).map(lambda t: ("text", t)),                  # text, not ids
+    ROWS.filter(len).map(lambda r: ("float", torch.tensor(r, dtype=torch.float32) + 0.5)),  # values, not ids
+    ROWS.filter(len).map(lambda r: ("bool", torch.tensor(r, dtype=torch.bool))),  # a mask, not ids
 )
 
 
@@ -86,7 +88,8 @@ INPUT_IDS = st.one_of(
 def test_the_default_length_takes_only_one_row_of_token_ids(case):
     """The default length is the number of token ids of a 1-D ``input_ids``; a batched row
     (``[1, L]``, which ``len`` would count as 1 and so break the budget, P3) or a string is an
-    InvalidSampleError naming the sample, the rank and ``input_ids``, never a silent length."""
+    InvalidSampleError naming the sample, the rank and ``input_ids``, never a silent length;
+    so is a float or bool tensor (no token ids: collated, a cast would change them)."""
     kind, ids = case
     chunk = Packer(rank=1)([(23, {"input_ids": ids})])
     if kind == "row":

@@ -39,7 +39,7 @@ from transformers import Trainer, TrainerCallback, get_scheduler
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from odb_core.errors import ConfigMismatchError, UnsupportedSettingError
+from odb_core.errors import ConfigMismatchError, PackedAttentionError, UnsupportedSettingError
 from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import causal_lm_loss_sum, check_loss_tokens, logits_of, shifted_loss_tokens
 from odb_torch.padding_free import VARLEN_KEYS, adapter_defaults, budget_of, check_packed_attention
@@ -177,6 +177,20 @@ def forward_inputs(model: torch.nn.Module, inputs: Mapping[str, Any]) -> dict[st
         if callable(base) and callable(getattr(base(), "forward", None)):
             named.update(_named_parameters(base().forward)[0])
     return {k: v for k, v in inputs.items() if k in named or k == "labels"}
+
+
+def check_packed_forward(model: torch.nn.Module) -> None:
+    """:class:`~odb_core.errors.PackedAttentionError` if ``model.forward`` names its arguments,
+    takes no ``**kwargs`` and no ``position_ids``: :func:`forward_inputs` would drop the packed
+    row's positions (and boundaries), so its sequences would attend to each other."""
+    named, var_keyword = _named_parameters(model.forward)
+    if named and not var_keyword and "position_ids" not in named:
+        name = type(model).__name__
+        raise PackedAttentionError(
+            f"{name}.forward({', '.join(sorted(named))}) takes no position_ids (nor **kwargs): a packed row would "
+            "reach the model as one sequence; pass position_ids (and **kwargs for the varlen keywords) through to "
+            "the model, or use budget='padded'", model_class=name,
+            attn_implementation=str(getattr(getattr(model, "config", None), "_attn_implementation", "")))
 
 
 def loss_setting_problems(args: Any, kwargs: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -334,13 +348,27 @@ class ODBTrainer(Trainer):
         run_args.ignore_data_skip = True
         run_args.max_steps = self._odb_step_bound()
         super().__init__(model, run_args, **kwargs)
-        if budget_of(odb_kwargs) == "packed" and model is not None:  # refused, or warned of its cost on a GPU
-            check_packed_attention(model, self.args.device)
+        if model is not None:  # a model_init's models are checked as they are made (call_model_init)
+            self._odb_check_packed(model)
         self.loss_is_scaled_for_ga = True  # compute_loss already normalises over the window
         self.remove_callback(ProgressCallback)
         if not run_args.disable_tqdm:
             self.add_callback(_SampleProgress(self))
         self.add_callback(_ODBControl(self))
+
+    def call_model_init(self, trial: Any = None) -> torch.nn.Module:
+        """The model ``model_init`` makes (in ``__init__`` and each ``train()``), checked as ``model`` is."""
+        model = super().call_model_init(trial)
+        self._odb_check_packed(model)
+        return model
+
+    def _odb_check_packed(self, model: torch.nn.Module) -> None:
+        """Under the packed budget: refused if ``model`` would let packed sequences attend to each
+        other (:func:`check_packed_attention`; a cost warning on a GPU) or if its ``forward`` takes
+        no ``position_ids`` (:func:`check_packed_forward`)."""
+        if budget_of(self.odb_kwargs) == "packed":
+            check_packed_attention(model, self.args.device)
+            check_packed_forward(model)
 
     # -- data -------------------------------------------------------------------------------
     def get_train_dataloader(self) -> Any:
