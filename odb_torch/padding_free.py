@@ -65,8 +65,9 @@ def packed_collate(samples: Sequence[Mapping[str, Any]], label_pad_id: int = IGN
     sample's ``input_ids``, ``input_ids`` or ``labels`` that are not one row of integers (a
     ``[1, L]`` row, float or bool values: a cast would change them), an ``attention_mask``
     with zeros (a padded sample: the row would train on its padding), fields that differ
-    between samples, and a failing ``default_collate`` are :class:`~odb_core.errors.InvalidSampleError` naming the sample's place in the group or the field
-    (the loader adds the dataset indices: ``CollateFnError``). A field with one entry per token (its
+    between samples, and a failing ``default_collate`` are
+    :class:`~odb_core.errors.InvalidSampleError` naming the sample's place in the group or the
+    field (the loader adds the dataset indices: ``CollateFnError``). A field with one entry per token (its
     first dimension each sample's ``input_ids`` length) cannot line up with the row collated per
     sample: :class:`~odb_core.errors.UnsupportedSettingError` names it (``field``).
     """
