@@ -73,6 +73,11 @@ def packed_collate(samples: Sequence[Mapping[str, Any]], label_pad_id: int = IGN
     """
     if not samples:
         raise InvalidSampleError("packed_collate needs at least one sample")
+    for k, sample in enumerate(samples):
+        if not isinstance(sample, Mapping) or "input_ids" not in sample:
+            raise InvalidSampleError(f"packed_collate: sample {k} of the group is a {type(sample).__name__}"
+                                     f"{' without input_ids' if isinstance(sample, Mapping) else ''}, not a "
+                                     "mapping with input_ids")
     check_fields(samples, "packed_collate", _ROW_FIELDS)  # the row takes each sample's own
     ids = [_token_row(s["input_ids"], k, "input_ids") for k, s in enumerate(samples)]
     labels = []

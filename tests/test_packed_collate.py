@@ -82,6 +82,15 @@ def test_ids_or_labels_that_are_not_one_row_of_integers_name_the_sample_and_fiel
     assert packed_collate([{"input_ids": []}, {"input_ids": [1, 2]}])["input_ids"].tolist() == [[1, 2]]
 
 
+@pytest.mark.parametrize("bad, problem", [({"labels": [1, 2]}, "dict without input_ids"),
+                                          ([1, 2], "list, not a mapping")])
+def test_a_sample_without_input_ids_is_named(bad, problem):
+    from odb_core.errors import InvalidSampleError
+
+    with pytest.raises(InvalidSampleError, match=f"sample 1 of the group is a {problem}"):
+        packed_collate([{"input_ids": [1, 2]}, bad])
+
+
 def test_shifted_loss_tokens_refuses_labels_that_are_not_one_row():
     """Slicing [1, L] labels drops their one row, not the first position: 0 tokens counted where
     the collates' loss sums L - 1."""
