@@ -15,6 +15,7 @@ hanging. With ``ODB_TRACE_DIR`` set, each rank appends the driver's trace events
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import json
@@ -25,6 +26,7 @@ import signal
 import threading
 import time
 import traceback
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -71,6 +73,22 @@ hang says where it was (None where the platform has no SIGUSR1: no such dump).""
 WORKER_CHECK = 5.0
 """Seconds between checks of the DataLoader workers while waiting for a chunk (a dead one is
 reported then; a stuck one once ``timeout`` seconds have passed)."""
+
+
+WORKER_ADVICE = r"This DataLoader will create \d+ worker processes in total\. "
+"""The start of torch's warning that a DataLoader's ``num_workers`` exceeds the CPUs
+(``DataLoader.check_worker_number_rationality``, at construction and at each ``iter()``)."""
+
+
+@contextlib.contextmanager
+def quiet_worker_advice() -> Iterator[None]:
+    """Around a DataLoader's construction and ``iter()`` in the collate process: torch's worker
+    count warning (:data:`WORKER_ADVICE`) is not shown; the trainer gave that advice once, as an
+    ``ODBWarning`` (:func:`odb_torch.loader_options.warn_worker_count`). Other warnings pass."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=WORKER_ADVICE, category=UserWarning,
+                                module=r"torch\.utils\.data\.dataloader")
+        yield
 
 
 def check_interval(timeout: float) -> float:
@@ -503,15 +521,15 @@ class CollateServer:
             yield []
             return
         workers = 0 if in_process else spec.num_workers
-        loader = DataLoader(
-            _ViewDataset(IndexedDataset(spec.dataset, spec.rank), views), batch_sampler=chunks,
-            collate_fn=Packer(spec.rank, spec.length_fn, spec.loss_tokens_fn), num_workers=workers,
-            prefetch_factor=spec.prefetch_factor if workers else None,
-            multiprocessing_context=spec.worker_start_method if workers else None,
-            worker_init_fn=DieWithParent(os.getpid()) if workers else None,
-            timeout=check_interval(spec.timeout) if workers else 0,
-        )
-        it = iter(loader)
+        with quiet_worker_advice():
+            it = iter(DataLoader(
+                _ViewDataset(IndexedDataset(spec.dataset, spec.rank), views), batch_sampler=chunks,
+                collate_fn=Packer(spec.rank, spec.length_fn, spec.loss_tokens_fn), num_workers=workers,
+                prefetch_factor=spec.prefetch_factor if workers else None,
+                multiprocessing_context=spec.worker_start_method if workers else None,
+                worker_init_fn=DieWithParent(os.getpid()) if workers else None,
+                timeout=check_interval(spec.timeout) if workers else 0,
+            ))
         self._load_state = (views, chunks, 0)
         yield []
         for k, chunk in enumerate(chunks):

@@ -60,6 +60,7 @@ from odb_torch.loader_options import (
     rank_and_world,
     take_port_slot,
     uses_default_port,
+    warn_worker_count,
 )
 from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, decode
 from odb_torch.pinning import pin_batch, pinning_available
@@ -280,6 +281,7 @@ class ODBDataLoader:
             skip_idle=skip_idle, driver_cls=self.driver_cls,
             worker_start_method=worker_start_method or ("fork" if "fork" in tmp.get_all_start_methods() else "spawn"),
         )
+        warn_worker_count(num_workers, rank)  # once, here: the collate process's DataLoaders keep torch's quiet
         self.skip_idle = skip_idle
         self.pin_memory = pin_memory and pinning_available()
         if pin_memory and not self.pin_memory:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from typing import Any
 
 from odb_core import ODBConfig
+from odb_core.errors import ODBWarning
 from odb_torch.ports import free_port
 
 
@@ -46,6 +48,27 @@ def protocol_config(config: ODBConfig | None, token_budget: int | None, keywords
     if clashes:
         raise ValueError("; ".join(clashes) + ": pass each setting once (in config=, or as a keyword)")
     return config
+
+
+def usable_cpus() -> int | None:
+    """The CPUs this process may run on, by torch's DataLoader rule: ``os.sched_getaffinity``
+    where available (it respects cpusets and ``taskset``), else ``os.cpu_count()``."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count()
+
+
+def warn_worker_count(num_workers: int, rank: int, stacklevel: int = 2) -> None:
+    """An :class:`~odb_core.errors.ODBWarning` if ``num_workers`` exceeds :func:`usable_cpus` (or
+    they are unknown), torch's DataLoader's rule: said once here, in the trainer, where the
+    collate process's own DataLoaders are kept quiet (``collate_process.quiet_worker_advice``)."""
+    cpus = usable_cpus()
+    if num_workers and (cpus is None or num_workers > cpus):
+        have = "an unknown number of CPUs" if cpus is None else f"{cpus} CPU{'s' if cpus != 1 else ''}"
+        warnings.warn(ODBWarning(
+            f"rank {rank}: num_workers={num_workers} DataLoader workers per rank, and this process may run on {have}: "
+            "excessive workers can slow loading or freeze it; lower num_workers if loading is slow"),
+            stacklevel=stacklevel + 1)
 
 
 def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

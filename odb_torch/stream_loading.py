@@ -49,6 +49,7 @@ from odb_torch.collate_process import (
     _ParentGone,
     check_interval,
     next_loaded,
+    quiet_worker_advice,
 )
 from odb_torch.messages import Batch, EpochEnd, Reply, StartEpoch
 from odb_torch.process_guard import DieWithParent
@@ -260,13 +261,14 @@ class StreamReader:
         if states is not None and not workers and states[0] is not None:
             dataset = copy.deepcopy(dataset)  # read in-process: the state goes to a copy, not the next epoch's
             dataset.load_state_dict(states[0])
-        loader = DataLoader(
-            dataset, batch_size=max(1, min(STREAM_CHUNK, MAX_CHUNK)), num_workers=workers,
-            collate_fn=_Chunker(None if workers else dataset), prefetch_factor=spec.prefetch_factor if workers else None,
-            multiprocessing_context=spec.worker_start_method if workers else None,
-            worker_init_fn=_WorkerStart(os.getpid(), states) if workers else None,
-            timeout=check_interval(spec.timeout) if workers else 0)  # slices: a dead worker is found in each
-        self._it: Any = iter(loader)
+        with quiet_worker_advice():  # the trainer gave torch's worker count advice once
+            self._it: Any = iter(DataLoader(
+                dataset, batch_size=max(1, min(STREAM_CHUNK, MAX_CHUNK)), num_workers=workers,
+                collate_fn=_Chunker(None if workers else dataset),
+                prefetch_factor=spec.prefetch_factor if workers else None,
+                multiprocessing_context=spec.worker_start_method if workers else None,
+                worker_init_fn=_WorkerStart(os.getpid(), states) if workers else None,
+                timeout=check_interval(spec.timeout) if workers else 0))  # slices: a dead worker is found in each
         self._buffer: deque[Any] = deque()
         self.position = int(start["position"]) if start is not None else 0  # the stream position of self._buffer[0]
         self.count: int | None = None  # the stream's length, once a read found its end
