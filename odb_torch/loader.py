@@ -39,7 +39,14 @@ from odb_core.errors import (
 )
 from odb_core.sampler import pool_size
 from odb_core.tail import TailPosition
-from odb_torch.collate_process import STACK_SIGNAL, CollateSpec, collate_main, file_system_sharing, release_payload
+from odb_torch.collate_process import (
+    STACK_SIGNAL,
+    CollateSpec,
+    Collectives,
+    collate_main,
+    file_system_sharing,
+    release_payload,
+)
 from odb_torch.elastic import (
     ElasticEpoch,
     ElasticOrder,
@@ -123,6 +130,33 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
+
+
+COLLECTIVE_GRACE = 0.25
+"""Seconds :meth:`ODBDataLoader.close` waits for a collate process inside one collective call (its
+collate group's rendezvous, a gather), which reads no Stop there, before it terminates it: the
+peers' parts of a call come within milliseconds, an absent or stalled peer's not before the
+group's timeout (close() waited its whole timeout for it: 10 s, 5 s at exit after a Ctrl-C)."""
+POLL = 0.02
+"""Seconds between :func:`await_exit`'s looks at a collate process told to stop."""
+
+
+def await_exit(proc: Any, collectives: Collectives, timeout: float, grace: float = COLLECTIVE_GRACE) -> None:
+    """Wait up to ``timeout`` seconds for ``proc``, told to stop, to exit; return earlier once it
+    stayed inside the same collective call (``collectives``' count odd and unchanged) for ``grace``
+    seconds: it cannot read the Stop until the call ends, and it ends only with its peers. A
+    process that is loading, collating or waiting for room reads the Stop: it is waited for."""
+    deadline = time.monotonic() + timeout
+    seen, since = -1, 0.0
+    while (left := deadline - time.monotonic()) > 0:
+        proc.join(min(left, POLL))
+        if proc.exitcode is not None:
+            return
+        count, now = collectives.count, time.monotonic()
+        if count % 2 == 0 or count != seen:
+            seen, since = count, now
+        elif now - since >= grace:
+            return
 
 
 SILENCE_GRACE = 2.0
@@ -292,6 +326,7 @@ class ODBDataLoader:
         self._start_method = resolve_start_method(start_method, tmp.get_all_start_methods())
         self._ctx: Any = tmp.get_context(self._start_method)
         self._proc: Any = None
+        self._collectives = Collectives()  # the running collate process's (_start)
         self._ctrl: Any = None
         self._out: Any = None
         self._inbox: Inbox | None = None  # reads self._out in a thread (odb_torch.inbox)
@@ -504,8 +539,9 @@ class ODBDataLoader:
         self._spec = dataclasses.replace(self._spec, start=start)
         self._ctrl = self._ctx.Queue()
         self._out = self._ctx.Queue(maxsize=self._queue_size)
-        self._proc = self._ctx.Process(target=collate_main, args=(self._spec, sampler, self._ctrl, self._out),
-                                       name=f"odb-collate-rank{self.rank}", daemon=False)
+        self._collectives = Collectives(self._ctx)
+        self._proc = self._ctx.Process(target=collate_main, name=f"odb-collate-rank{self.rank}", daemon=False,
+                                       args=(self._spec, sampler, self._ctrl, self._out, self._collectives))
         self._heard = False
         try:
             self._proc.start()
@@ -674,7 +710,9 @@ class ODBDataLoader:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the collate process (and its workers); idempotent. An iterator of this loader
-        still open raises :class:`LoaderStateError` on its next ``next()``."""
+        still open raises :class:`LoaderStateError` on its next ``next()``. The collate process
+        gets up to ``timeout`` seconds to exit, then is terminated; one that stays inside a
+        collective call (waiting for a peer) gets :data:`COLLECTIVE_GRACE` (:func:`await_exit`)."""
         proc, self._proc = self._proc, None
         self._epoch_open = False
         self._generation += 1
@@ -686,7 +724,7 @@ class ODBDataLoader:
                 self._ctrl.put(Stop())
             except Exception:
                 pass
-            proc.join(timeout)
+            await_exit(proc, self._collectives, timeout)
         if proc.is_alive():
             proc.terminate()
             proc.join(timeout)

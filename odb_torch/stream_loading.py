@@ -45,6 +45,7 @@ from odb_torch.collate_process import (
     MAX_CHUNK,
     CollateServer,
     CollateSpec,
+    Collectives,
     LoadStuck,
     _ParentGone,
     check_interval,
@@ -365,8 +366,9 @@ class StreamReader:
 class StreamServer(CollateServer):
     """A rank's collate process over a stream: :class:`CollateServer` with the stream's reads."""
 
-    def __init__(self, spec: CollateSpec, options: StreamSampler, ctrl: Any, out: Any) -> None:
-        super().__init__(spec, options, ctrl, out)
+    def __init__(self, spec: CollateSpec, options: StreamSampler, ctrl: Any, out: Any,
+                 collectives: Collectives | None = None) -> None:
+        super().__init__(spec, options, ctrl, out, collectives)
         self.options = options
         self._packer = Packer(spec.rank, spec.length_fn, spec.loss_tokens_fn)
         self._reader: StreamReader | None = None

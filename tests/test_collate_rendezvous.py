@@ -256,3 +256,96 @@ def test_a_stop_behind_a_start_epoch_is_seen():
     ctrl.put(StartEpoch(2, (), 0, 2))
     assert not server2._stop_sent()
     assert server2._next_command() == StartEpoch(2, (), 0, 2)  # a command read by the check is kept
+
+
+def _children(pid: int) -> list[int]:
+    """The live children of ``pid`` (its DataLoader workers), from /proc."""
+    try:
+        return [int(c) for c in Path("/proc", str(pid), "task", str(pid), "children").read_text().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_close_is_prompt_while_the_collate_process_waits_for_an_absent_peer(rank):
+    """The collate process waits in its group's rendezvous for a peer that never comes (timeout
+    60 s): rank 0's store for rank 1, rank 1's store client for an answer from "rank 0" (a socket
+    that listens and never answers). It reads no Stop there, and close() waited its whole timeout
+    for it (10 s; 5 s at exit after a Ctrl-C) before terminating it: now it stops waiting once the
+    process stayed in that one call for COLLECTIVE_GRACE. Nothing is left: the collate process and
+    its DataLoader worker end, the waiting iterator says the loader was closed."""
+    import socket
+    import time
+
+    from odb_core.errors import LoaderStateError
+    from odb_torch import ODBDataLoader, pad_collate
+
+    port = free_port()
+    peer = socket.create_server(("127.0.0.1", port)) if rank == 1 else None  # rank 0 that never answers
+    loader = ODBDataLoader([{"input_ids": torch.arange(3)}] * 8, token_budget=16, collate_fn=pad_collate,
+                           num_workers=1, rank=rank, world_size=2, timeout=60, start_method="fork",
+                           init_method=f"tcp://127.0.0.1:{port}")
+    raised: list[BaseException] = []
+
+    def iterate() -> None:
+        try:
+            next(iter(loader))
+        except BaseException as exc:
+            raised.append(exc)
+
+    waiting = threading.Thread(target=iterate, daemon=True)
+    try:
+        waiting.start()
+        if peer is None:
+            await_listener("127.0.0.1", port, 30)  # rank 0's store serves: it waits for rank 1 in C++
+        else:
+            peer.settimeout(30)
+            peer.accept()[0].close()  # rank 1's probe of the port: its store client connects next
+        collate = loader._proc.pid
+        workers = _children(collate)
+        started = time.monotonic()
+        loader.close()
+        took = time.monotonic() - started
+        waiting.join(30)
+        assert took < 1.0, f"close() took {took:.1f}s"
+        assert not _alive(collate), "the collate process outlived close()"
+        while any(_alive(w) for w in workers) and time.monotonic() - started < 30:
+            pass  # its DataLoader worker is killed with it (PR_SET_PDEATHSIG)
+        assert workers and not any(_alive(w) for w in workers), f"workers {workers} outlived the collate process"
+        assert len(raised) == 1 and isinstance(raised[0], LoaderStateError), raised
+    finally:
+        loader.close()
+        if peer is not None:
+            peer.close()
+
+
+class _Running:
+    """A collate process that never exits, inside collective calls as ``counts`` says (one per look)."""
+
+    def __init__(self, counts: Any) -> None:
+        self.exitcode, self._counts, self.count = None, counts, 0
+
+    def join(self, timeout: float) -> None:
+        import time
+
+        time.sleep(timeout)  # the time a live process's join takes; nothing to synchronise with
+        self.count = next(self._counts)
+
+
+@pytest.mark.parametrize(("counts", "waited"), [
+    ([0], "timeout"),  # loading, collating, waiting for room or a command: it will read the Stop
+    ([1], "grace"),  # inside one rendezvous or gather, the same one at every look: it cannot
+    ("moving", "timeout"),  # one call after another (its peers take part): it is progressing
+])
+def test_close_gives_up_early_only_on_a_process_stuck_in_one_collective_call(counts, waited):
+    import itertools
+    import time
+
+    from odb_torch.loader import await_exit
+
+    looks = itertools.count(1, 2) if counts == "moving" else itertools.cycle(counts)
+    proc = _Running(looks)
+    started = time.monotonic()
+    await_exit(proc, proc, timeout=1.0, grace=0.1)  # type: ignore[arg-type]  # duck-typed process and counter
+    took = time.monotonic() - started
+    assert (took < 0.5) if waited == "grace" else (took >= 1.0), f"waited {took:.2f}s"

@@ -133,6 +133,11 @@ def big_collate(samples):
     """A batch over the pipe's 64 KiB: travels inline, so an unread one fills the queue's pipe."""
     return {**pad_collate(samples), "payload": torch.zeros(1 << 16)}
 
+def say_ready():
+    from odb_torch.ports import await_listener
+    await_listener("127.0.0.1", int(os.environ["ODB_TEST_PORT"]), 60)  # rank 0's store waits for rank 1
+    print("ready", flush=True)
+
 def main(how):
     global loader
     options = {"num_workers": 1, "timeout": 20}
@@ -141,6 +146,10 @@ def main(how):
     if how in ("alone", "orphan"):  # rank 0 (1) of 2, whose peer never comes: the rendezvous waits out its 3 s
         options = {"num_workers": 0, "timeout": 3, "rank": 0 if how == "alone" else 1, "world_size": 2,
                    "init_method": "tcp://127.0.0.1:" + os.environ["ODB_TEST_PORT"]}
+    if how == "waiting":  # rank 0 of 2, whose peer never comes (timeout 60 s): Ctrl-C while its store waits
+        options = {"num_workers": 1, "timeout": 60, "rank": 0, "world_size": 2,
+                   "init_method": "tcp://127.0.0.1:" + os.environ["ODB_TEST_PORT"]}
+        threading.Thread(target=say_ready, daemon=True).start()
     loader = ODBDataLoader(Lines(), token_budget=64, collate_fn=big_collate if how in ("crash", "break") else pad_collate,
                            start_method=os.environ["ODB_TEST_START"], **options)  # never closed
     for k, batch in enumerate(loader):
@@ -162,9 +171,11 @@ if HOW == "stdin" or __name__ == "__main__":
 '''
 
 
-def run_script(tmp_path: Path, how: str, start: str, timeout: float = 90) -> tuple[int, str]:
+def run_script(tmp_path: Path, how: str, start: str, timeout: float = 90,
+               times: dict[str, float] | None = None) -> tuple[int, str]:
     """Run SCRIPT as a user would (a file, or ``python - < file`` for ``stdin``), its loader
-    started with ``start``, under a hard timeout; SIGINT it once it printed ``ready``.
+    started with ``start``, under a hard timeout; SIGINT it once it printed ``ready`` (``times``
+    gets ``"exit"``: the seconds from the SIGINT to the script's end).
     Returns (exit code, output) and fails if it hangs or leaves a process behind."""
     path = tmp_path / "train.py"
     path.write_text(SCRIPT)
@@ -176,12 +187,15 @@ def run_script(tmp_path: Path, how: str, start: str, timeout: float = 90) -> tup
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     started = time.monotonic()
     try:
-        if how == "sigint":
+        if how in ("sigint", "waiting"):
             assert proc.stdout is not None
             first = proc.stdout.readline()
             assert first.strip() == "ready", first
             os.kill(proc.pid, signal.SIGINT)  # to the trainer only, as torchrun forwards it
+            signalled = time.monotonic()
         out = proc.communicate(timeout=timeout - (time.monotonic() - started))[0]
+        if times is not None and how in ("sigint", "waiting"):
+            times["exit"] = time.monotonic() - signalled
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out = proc.communicate()[0]
@@ -206,6 +220,18 @@ def test_script_exits_promptly_whatever_ends_it(how, start, code, needle, tmp_pa
     returncode, out = run_script(tmp_path, how, start)
     assert returncode == code and needle in out, out[-3000:]
     assert time.monotonic() - started < 60, "exit took longer than the bound"
+    assert not semaphores_left(out), out[-3000:]
+
+
+def test_ctrl_c_while_waiting_for_an_absent_peer_exits_promptly(tmp_path):
+    """Ctrl-C while rank 0's collate process waits in its group's rendezvous for a rank 1 that never
+    comes (timeout 60 s): the script ends within a couple of seconds, leaving no process and no
+    semaphore. The loader's exit-time close() waited 5 s for the collate process, which reads no
+    Stop inside the rendezvous, before terminating it."""
+    times: dict[str, float] = {}
+    returncode, out = run_script(tmp_path, "waiting", "auto", times=times)
+    assert returncode == -signal.SIGINT and "KeyboardInterrupt" in out, out[-3000:]
+    assert times["exit"] < 3.0, f"the script took {times['exit']:.1f}s to exit after Ctrl-C"
     assert not semaphores_left(out), out[-3000:]
 
 
