@@ -166,10 +166,10 @@ class CollateSpec:
 
 class Collectives:
     """How many times the collate process entered or left a collective call (its collate group's
-    rendezvous, a gather), in memory the trainer shares: odd while it is inside one. There it
-    reads no Stop, and a peer that never comes (never started, stalled) keeps it there for up to
-    ``timeout`` (300 s by default), so the trainer's ``close()`` does not wait for a process it
-    sees inside the same call for a while (``odb_torch.loader.await_exit``). ``ctx``: the
+    rendezvous, then its gathers), in memory the trainer shares: odd while it is inside one, 1
+    inside the rendezvous. There it reads no Stop, and a peer that never started keeps it there
+    for up to ``timeout`` (300 s by default), so the trainer's ``close()`` does not wait long for
+    a process still in its rendezvous (``odb_torch.loader.await_exit``). ``ctx``: the
     trainer's multiprocessing context; None: a counter of this process only."""
 
     def __init__(self, ctx: Any = None) -> None:

@@ -133,29 +133,33 @@ def _signal_name(number: int) -> str:
 
 
 COLLECTIVE_GRACE = 0.25
-"""Seconds :meth:`ODBDataLoader.close` waits for a collate process inside one collective call (its
-collate group's rendezvous, a gather), which reads no Stop there, before it terminates it: the
-peers' parts of a call come within milliseconds, an absent or stalled peer's not before the
-group's timeout (close() waited its whole timeout for it: 10 s, 5 s at exit after a Ctrl-C)."""
+"""Seconds :meth:`ODBDataLoader.close` waits for a collate process still inside its collate group's
+rendezvous, where it reads no Stop, before it terminates it: the peers that are coming arrive
+within milliseconds of each other, one that never started not before the group's timeout (close()
+waited its whole timeout for it: 10 s, 5 s at exit after a Ctrl-C)."""
 POLL = 0.02
 """Seconds between :func:`await_exit`'s looks at a collate process told to stop."""
 
 
-def await_exit(proc: Any, collectives: Collectives, timeout: float, grace: float = COLLECTIVE_GRACE) -> None:
-    """Wait up to ``timeout`` seconds for ``proc``, told to stop, to exit; return earlier once it
-    stayed inside the same collective call (``collectives``' count odd and unchanged) for ``grace``
-    seconds: it cannot read the Stop until the call ends, and it ends only with its peers. A
-    process that is loading, collating or waiting for room reads the Stop: it is waited for."""
-    deadline = time.monotonic() + timeout
-    seen, since = -1, 0.0
-    while (left := deadline - time.monotonic()) > 0:
+def await_exit(proc: Any, collectives: Collectives, timeout: float, grace: float = COLLECTIVE_GRACE,
+               clock: Callable[[], float] = time.monotonic) -> None:
+    """Wait up to ``timeout`` seconds for ``proc``, told to stop, to exit; return after ``grace``
+    seconds if it is inside its first collective call, the group's rendezvous (``collectives``'
+    count 1): it cannot read the Stop before its peers come, and they may never come. A process
+    in a later gather is waited for: its peers joined the group once, so the gather completes, or
+    fails as soon as a peer exits, and it then reads the Stop or ends; so is one loading,
+    collating or waiting for room or a command."""
+    deadline = clock() + timeout
+    since: float | None = None
+    while (left := deadline - clock()) > 0:
         proc.join(min(left, POLL))
         if proc.exitcode is not None:
             return
-        count, now = collectives.count, time.monotonic()
-        if count % 2 == 0 or count != seen:
-            seen, since = count, now
-        elif now - since >= grace:
+        if collectives.count != 1:
+            since = None
+        elif since is None:
+            since = clock()
+        elif clock() - since >= grace:
             return
 
 
@@ -711,8 +715,8 @@ class ODBDataLoader:
     def close(self, timeout: float = 10.0) -> None:
         """Stop the collate process (and its workers); idempotent. An iterator of this loader
         still open raises :class:`LoaderStateError` on its next ``next()``. The collate process
-        gets up to ``timeout`` seconds to exit, then is terminated; one that stays inside a
-        collective call (waiting for a peer) gets :data:`COLLECTIVE_GRACE` (:func:`await_exit`)."""
+        gets up to ``timeout`` seconds to exit, then is terminated; one still inside its group's
+        rendezvous (waiting for a peer) gets :data:`COLLECTIVE_GRACE` (:func:`await_exit`)."""
         proc, self._proc = self._proc, None
         self._epoch_open = False
         self._generation += 1

@@ -320,32 +320,33 @@ def test_close_is_prompt_while_the_collate_process_waits_for_an_absent_peer(rank
 
 
 class _Running:
-    """A collate process that never exits, inside collective calls as ``counts`` says (one per look)."""
+    """A collate process that never exits, on a fake clock: each ``join(t)`` advances it by ``t``
+    and moves the collective count to the next of ``counts``."""
 
     def __init__(self, counts: Any) -> None:
-        self.exitcode, self._counts, self.count = None, counts, 0
+        self.exitcode, self._counts, self.count, self.now = None, counts, 0, 0.0
 
     def join(self, timeout: float) -> None:
-        import time
-
-        time.sleep(timeout)  # the time a live process's join takes; nothing to synchronise with
+        self.now += timeout
         self.count = next(self._counts)
+
+    def clock(self) -> float:
+        return self.now
 
 
 @pytest.mark.parametrize(("counts", "waited"), [
     ([0], "timeout"),  # loading, collating, waiting for room or a command: it will read the Stop
-    ([1], "grace"),  # inside one rendezvous or gather, the same one at every look: it cannot
+    ([1], "grace"),  # in the group's rendezvous: a peer may never come, and it reads nothing there
+    ([3], "timeout"),  # in a gather: its peers joined once, so the gather ends with them or fails
+    ([2, 1], "grace"),  # a short look outside, then the rendezvous: the grace counts from there
     ("moving", "timeout"),  # one call after another (its peers take part): it is progressing
 ])
-def test_close_gives_up_early_only_on_a_process_stuck_in_one_collective_call(counts, waited):
+def test_close_gives_up_early_only_on_a_process_waiting_in_its_rendezvous(counts, waited):
     import itertools
-    import time
 
     from odb_torch.loader import await_exit
 
-    looks = itertools.count(1, 2) if counts == "moving" else itertools.cycle(counts)
+    looks = itertools.count(1, 2) if counts == "moving" else itertools.chain(counts[:-1], itertools.repeat(counts[-1]))
     proc = _Running(looks)
-    started = time.monotonic()
-    await_exit(proc, proc, timeout=1.0, grace=0.1)  # type: ignore[arg-type]  # duck-typed process and counter
-    took = time.monotonic() - started
-    assert (took < 0.5) if waited == "grace" else (took >= 1.0), f"waited {took:.2f}s"
+    await_exit(proc, proc, timeout=1.0, grace=0.1, clock=proc.clock)  # type: ignore[arg-type]  # duck-typed
+    assert proc.now < 0.2 if waited == "grace" else proc.now >= 1.0, f"waited {proc.now:.2f}s"
