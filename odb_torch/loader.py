@@ -69,7 +69,9 @@ from odb_torch.loader_options import (
     uses_default_port,
     warn_worker_count,
 )
+from odb_torch.losses import shifted_loss_tokens
 from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, decode
+from odb_torch.padding_free import packed_collate
 from odb_torch.pinning import pin_batch, pinning_available
 from odb_torch.process_guard import close_at_exit
 from odb_torch.shared_tail import check_tail_sampler
@@ -208,7 +210,8 @@ class ODBDataLoader:
             ``set_epoch``); default ``DistributedSampler(drop_last=False)``.
         length_fn: a sample's length (default ``len(sample["input_ids"])``).
         loss_tokens_fn: a sample's loss tokens (default: labels != -100 if it has
-            labels, else its length).
+            labels, else its length; with ``collate_fn=packed_collate``, whose first label per
+            sample is -100: ``losses.shifted_loss_tokens``, what a loss over its rows counts).
         shuffle_steps: each rank emits a round's steps in a seeded order of its own
             (default True; ``ODBConfig.shuffle_steps``), fixed before the ranks exchange
             step sizes, so pairing and loss weights hold (P2, P7) while a global step mixes
@@ -311,6 +314,8 @@ class ODBDataLoader:
             DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
         if self.config.shared_tail:  # the pool is cut from the sampler's global order
             check_tail_sampler(self.sampler, rank, world_size)
+        if loss_tokens_fn is None and collate_fn is packed_collate:  # its rows count no first label (P7)
+            loss_tokens_fn = shifted_loss_tokens
         self._spec = CollateSpec(
             dataset=dataset, collate_fn=collate_fn or default_collate, length_fn=length_fn,
             loss_tokens_fn=loss_tokens_fn, config=self.config, rank=rank, world=world_size,

@@ -22,6 +22,9 @@ def test_the_loader_runs_the_packed_budget_from_config():
             groups.append([sample_length(i) for i in loader.step_info.indices])
             assert batch["input_ids"].shape == (1, sum(groups[-1]))
             assert batch["cu_seq_lens_q"].diff().tolist() == groups[-1]
+            # P7: the loader counts what a loss over the row counts (packed_collate's first labels are
+            # -100), shifted_loss_tokens by default with packed_collate; the labels' own count is more
+            assert loader.step_info.local_tokens == int((batch["labels"] != -100).sum())
     finally:
         loader.close()
     assert sorted(n for g in groups for n in g) == sorted(sample_length(i) for i in range(60))
