@@ -162,11 +162,12 @@ def check_stream_ids(state: Mapping[str, Any], rank: int, element_id: str | None
 
 def element_identity(element: Any, key: str, rank: int, position: int) -> int:
     """The element's own identity ``element[key]``: an integer (a Python or NumPy int, or a
-    one-element integer tensor, as a stream formatted for NumPy or torch gives it), else
+    one-element integer tensor or array, as a stream formatted for torch or NumPy gives it), else
     :class:`InvalidSampleError` naming the rank and the stream position."""
     value = element.get(key) if isinstance(element, Mapping) else None
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
+    if (isinstance(value, torch.Tensor) and value.numel() == 1) or (
+            getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None))):
+        value = value.item()  # a one-element tensor, a 0-d array (a NumPy-formatted stream's after .map())
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
@@ -189,6 +190,14 @@ def stream_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], rank: 
             isinstance(s, Mapping) for s in state)):
         raise ResumeStateError(f"rank {rank}: a {type(state).__name__} is not a loader state (a state_dict, or a "
                                "list of every rank's)", field="state", rank=rank)
+    if not isinstance(state, Mapping) and len(state) == world and all(s.get("world_size") == world for s in state):
+        raise ResumeStateError(f"rank {rank}: got a list of every rank's states; a stream loader resumes from its "
+                               f"own rank's state_dict (pass states[{rank}]): each rank's positions are its own "
+                               "stream's", field="state", rank=rank)
+    if isinstance(state, Mapping) and not state.get("stream") and ("total" in state or "order_digest" in state):
+        raise ResumeStateError(f"rank {rank}: the state is a map-style loader's (its positions name a sampler's "
+                               "views), this loader reads a stream; resume it with the map-style dataset",
+                               field="stream", rank=rank)
     if not isinstance(state, Mapping) or state.get("kind") == "odb-global" or state.get("world_size") != world:
         got = (f"a checkpoint of world size {state.get('world_size')}" if isinstance(state, Mapping)
                else f"a list of {len(state)} rank states (an elastic resume)")
@@ -335,6 +344,11 @@ class StreamReader:
                         field="consumed_ids", indices=(self.position,), rank=self.rank)
             self.position += 1
 
+    @property
+    def _unread(self) -> int:
+        """The first stream position not read yet (the buffer holds those before it)."""
+        return self.position + len(self._buffer)
+
     def _refill(self, s: int) -> None:
         try:
             chunk = next_loaded(self._it, self.timeout)
@@ -346,11 +360,13 @@ class StreamReader:
             return
         except LoadStuck:
             raise SampleLoadError(f"rank {self.rank}: a DataLoader worker spent over {self.timeout:.0f}s (the "
-                                  f"timeout) reading the stream up to position {s} (stuck in the dataset's "
-                                  "__iter__?)", rank=self.rank, indices=(s,)) from None
+                                  f"timeout) reading the stream from position {self._unread} on (stuck in the "
+                                  "dataset's __iter__?)", rank=self.rank, indices=(self._unread,)) from None
         except Exception as exc:
-            raise SampleLoadError(f"rank {self.rank}: reading stream position {s} failed: "
-                                  f"{describe_exception(exc)}", rank=self.rank, indices=(s,)) from None
+            raise SampleLoadError(f"rank {self.rank}: reading the stream failed at an element at or after position "
+                                  f"{self._unread} (the first not read; elements arrive in chunks of up to "
+                                  f"{STREAM_CHUNK}): {describe_exception(exc)}", rank=self.rank,
+                                  indices=(self._unread,)) from None
         chunk, worker, state = chunk
         self._note(worker, state, self.position + len(self._buffer))
         elements = unpack(chunk) if isinstance(chunk, PackedChunk) else chunk

@@ -177,6 +177,12 @@ def test_a_stream_refuses_non_join_a_sampler_and_a_resume_on_another_world_size_
     with pytest.raises(ResumeStateError) as err:  # a dataset state for a stream that has none
         loader.load_state_dict({**state, "world_size": 2, "stream_resume": {"position": 2, "workers": [None] * 4}})
     assert err.value.field == "stream_resume"
+    with pytest.raises(ResumeStateError, match=r"pass states\[1\]") as err:  # every rank's, at this world size
+        loader.load_state_dict([{**state, "world_size": 2, "rank": r} for r in range(2)])
+    assert err.value.field == "state" and err.value.rank == 1
+    with pytest.raises(ResumeStateError, match="a map-style loader's") as err:  # a sampler's state, not a stream's
+        loader.load_state_dict({**state, "world_size": 2, "total": 8, "order_digest": "x", "shuffle": True})
+    assert err.value.field == "stream" and err.value.rank == 1
     loader.load_state_dict({**state, "world_size": 2})
     assert loader.epoch == 0 and loader.state_dict()["num_workers"] == 4
 
@@ -235,13 +241,15 @@ def test_element_id_identities_missing_duplicated_or_mismatched_are_typed_errors
     server._ids, server._seen = {}, {7: 0}  # identity 7 consumed at position 0 before a checkpoint
     server._identify({"id": 3}, 1)
     server._identify({"id": __import__("numpy").int64(4)}, 2)  # a stream formatted for NumPy
+    server._identify({"id": __import__("numpy").array(5)}, 10)  # the same after .map(): a 0-d array
     for element, position, field in (({"id": 7}, 3, 7), ({"id": 3}, 4, 3), ({"text": "x"}, 5, 5),
                                      ({"id": "3"}, 6, 6), ("plain", 7, 7), ({"id": True}, 8, 8),
-                                     ({"id": __import__("numpy").float64(9)}, 9, 9)):
+                                     ({"id": __import__("numpy").float64(9)}, 9, 9),
+                                     ({"id": __import__("numpy").array(9.5)}, 11, 11)):
         with pytest.raises(InvalidSampleError) as err:
             server._identify(element, position)
         assert err.value.rank == 1 and err.value.indices == (field,), (element, err.value)
-    assert server._ids == {1: 3, 2: 4} and all(type(i) is int for i in server._ids.values())
+    assert server._ids == {1: 3, 2: 4, 10: 5} and all(type(i) is int for i in server._ids.values())
     loader = ODBDataLoader(_Empty(), config=ODBConfig(token_budget=64), rank=0, world_size=1, element_id="id")
     state = {"epoch": 0, "steps": 1, "consumed": [0, 1], "rank": 0, "world_size": 1, "seed": 0, "num_workers": 4}
     for ids in (None, [5]):
@@ -293,6 +301,43 @@ def test_a_dead_stream_worker_is_a_typed_error_within_seconds_not_the_timeout() 
         loader.close()
     assert err.value.rank == 0 and "exited unexpectedly" in str(err.value), err.value
     assert time.monotonic() - started < 30, f"reported after {time.monotonic() - started:.0f}s"
+
+
+class _FailingStream(__import__("torch").utils.data.IterableDataset):  # type: ignore[misc]
+    """Elements until position ``at``, where its ``__iter__`` raises."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def __iter__(self) -> Any:
+        for k in range(1000):
+            if k == self.at:
+                raise ValueError(f"corrupt record {k}")
+            yield {"input_ids": [1 + k % 7] * (1 + k % 5)}
+
+
+@pytest.mark.parametrize("at", [20, 40])
+def test_a_failing_stream_names_where_the_failed_read_began(at: int) -> None:
+    """Elements are read in chunks, so a failure mid-chunk is only known to lie at or after the
+    first position not yet read: the SampleLoadError names that position (its indices) as such,
+    and the failing element lies in the chunk it begins (it said "reading position 0 failed" for
+    an element at 20)."""
+    from odb_core.errors import SampleLoadError
+    from odb_torch.stream_loading import STREAM_CHUNK
+
+    from odb_torch import pad_collate
+
+    loader = ODBDataLoader(_FailingStream(at), token_budget=64, buffer_size=8, num_workers=0, rank=0, world_size=1,
+                           timeout=60, collate_fn=pad_collate)
+    try:
+        with pytest.raises(SampleLoadError) as err:
+            for _ in loader:
+                pass
+    finally:
+        loader.close()
+    (first,) = err.value.indices
+    assert first <= at < first + STREAM_CHUNK and f"at or after position {first}" in str(err.value), err.value
+    assert f"corrupt record {at}" in str(err.value)
 
 
 class _IdStream(__import__("torch").utils.data.IterableDataset):  # type: ignore[misc]
