@@ -165,9 +165,9 @@ def element_identity(element: Any, key: str, rank: int, position: int) -> int:
     one-element integer tensor or array, as a stream formatted for torch or NumPy gives it), else
     :class:`InvalidSampleError` naming the rank and the stream position."""
     value = element.get(key) if isinstance(element, Mapping) else None
-    if (isinstance(value, torch.Tensor) and value.numel() == 1) or (
-            getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None))):
-        value = value.item()  # a one-element tensor, a 0-d array (a NumPy-formatted stream's after .map())
+    item = getattr(value, "item", None)  # a one-element tensor; a 0-d array (NumPy-formatted, after .map())
+    if callable(item) and ((isinstance(value, torch.Tensor) and value.numel() == 1) or getattr(value, "ndim", 1) == 0):
+        value = item()
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):

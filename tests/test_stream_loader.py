@@ -323,9 +323,8 @@ def test_a_failing_stream_names_where_the_failed_read_began(at: int) -> None:
     and the failing element lies in the chunk it begins (it said "reading position 0 failed" for
     an element at 20)."""
     from odb_core.errors import SampleLoadError
-    from odb_torch.stream_loading import STREAM_CHUNK
-
     from odb_torch import pad_collate
+    from odb_torch.stream_loading import STREAM_CHUNK
 
     loader = ODBDataLoader(_FailingStream(at), token_budget=64, buffer_size=8, num_workers=0, rank=0, world_size=1,
                            timeout=60, collate_fn=pad_collate)
