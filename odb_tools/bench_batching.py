@@ -106,7 +106,8 @@ def reference_groups(lengths: Sequence[int], budget: int, buffer_size: int) -> t
 
 
 def lhotse_groups(lengths: Sequence[int], budget: int, seed: int = 0) -> tuple[list[list[int]], float] | None:
-    """lhotse's DynamicBucketingSampler over the same lengths (one rank), and its time; None if absent.
+    """lhotse's DynamicBucketingSampler over the same lengths (one rank), and its time; None if absent
+    or given fewer than 2 lengths (its buckets need 2).
 
     Each sample is a cut whose duration is its token count and ``max_duration`` is the
     budget: lhotse bounds the *sum* of a batch's lengths, not its padded area, so its
@@ -118,6 +119,8 @@ def lhotse_groups(lengths: Sequence[int], budget: int, seed: int = 0) -> tuple[l
         from lhotse import CutSet, MonoCut
         from lhotse.dataset import DynamicBucketingSampler
     except ImportError:
+        return None
+    if len(lengths) < 2:  # its bucketing needs 2 buckets, so 2 samples at least (an AssertionError otherwise)
         return None
     cuts = CutSet.from_cuts(MonoCut(id=str(i), start=0.0, duration=float(max(n, 1)), channel=0)
                             for i, n in enumerate(lengths))

@@ -152,7 +152,9 @@ def packed_rows(name: str, lengths: list[int], budget: int, worlds: Sequence[int
 
     oracle = first_fit_decreasing(lengths, budget)
     oracle_eff = efficiency([[lengths[k] for k in b] for b in oracle], budget)
-    offline: list[tuple[str, list[list[int]], dict[str, Any]]] = [(ORACLE, [[lengths[k] for k in b] for b in oracle], {})]
+    over = sum(1 for n in lengths if n > budget)  # first-fit decreasing sends each alone, as ODB does
+    offline: list[tuple[str, list[list[int]], dict[str, Any]]] = [
+        (ORACLE, [[lengths[k] for k in b] for b in oracle], {"over_budget_singletons": over})]
     for label, size in ((TRL, 1000), (TRL_WHOLE, None)):
         trl = trl_bfd(lengths, budget, size)
         if trl is not None:
@@ -165,7 +167,8 @@ def packed_rows(name: str, lengths: list[int], budget: int, worlds: Sequence[int
         per_rank = ffd_per_rank(lengths, budget, world, seed)
         counts = [len(bs) for bs in per_rank]
         row(RANK_ORACLE, world, efficiency([b for bs in per_rank for b in bs], budget), sum(counts), max(counts),
-            max(counts) * world / sum(counts) - 1 if sum(counts) else 0.0, sum(len(b) for bs in per_rank for b in bs))
+            max(counts) * world / sum(counts) - 1 if sum(counts) else 0.0, sum(len(b) for bs in per_rank for b in bs),
+            over_budget_singletons=sum(1 for bs in per_rank for b in bs if len(b) == 1 and b[0] > budget))
     tick("offline packing")
     for label, policy, tail in ODB_PACKED:
         for world in worlds:
@@ -190,7 +193,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         if "truncated_samples" in r:
             longer = f"{r['truncated_samples']} truncated ({r['dropped_tokens']} tokens dropped)"
         else:
-            longer = "alone, kept" if r["batcher"] == ORACLE else f"{r.get('over_budget_singletons', 0)} alone, kept"
+            longer = f"{r['over_budget_singletons']} alone, kept"
         out.append(f"| {r['distribution']} | {r['token_budget']} | {r['world']} | {r['batcher']} | "
                    f"{r['packing_efficiency']:.2%} | {r['oracle_gap_pp']:+.2f} | {r['batches']} | {r['updates']} | "
                    f"{overhead} | {r['samples']} | {longer} |")

@@ -19,6 +19,7 @@ from typing import get_args
 
 from pydantic import ValidationError
 
+from model_checks.tla import ModelCheckError
 from odb_core.errors import ODBError
 
 
@@ -417,10 +418,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-USER_ERRORS = (ValueError, OSError, ODBError)
-"""What bad input raises (arguments, files, configurations): reported as ``odb <command>:
-message`` with exit status 2, not a traceback (pydantic's ValidationError is a ValueError);
-``ODB_DEBUG=1`` re-raises it with its traceback."""
+USER_ERRORS = (ValueError, OSError, ODBError, ModelCheckError)
+"""What bad input raises (arguments, files, configurations) and a machine that cannot run the
+model checks (no java, no TLC): reported as ``odb <command>: message`` with exit status 2, not a
+traceback (pydantic's ValidationError is a ValueError); ``ODB_DEBUG=1`` re-raises it with its
+traceback."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -65,6 +65,9 @@ def profile(lengths: Sequence[int], budgets: Sequence[int] = DEFAULT_BUDGETS, bu
         if step_fixed is not None and step_per_token is not None:
             odb_time = groups * step_fixed + odb_padded * step_per_token
             fixed_time = fixed_steps * step_fixed + fixed_padded * step_per_token
+            if not odb_time or not fixed_time:
+                raise ValueError("the steps would take no time (every sample has 0 tokens and the fixed part per step "
+                                 "is 0): give --step-fixed > 0")
             row["odb_samples_per_second"] = len(lengths) / odb_time
             row["fixed_samples_per_second"] = len(lengths) / fixed_time
             row["predicted_speedup"] = fixed_time / odb_time

@@ -121,10 +121,12 @@ def bad_inputs(tmp_path):
     for name, text in files.items():
         (tmp_path / f"{name}.jsonl").write_text(text)
     (tmp_path / "lengths_ok.txt").write_text("10\n20\n30\n")
+    (tmp_path / "zeros.txt").write_text("0\n0\n0\n")
     (tmp_path / "config_list.json").write_text("[1, 2]")
     (tmp_path / "no_lengths.txt").write_text("\n")
     return {"negative": str(negative), "missing": str(tmp_path / "missing.jsonl"), "empty": str(tmp_path / "no_traces"),
             "lengths": str(tmp_path / "lengths_ok.txt"), "no_lengths": str(tmp_path / "no_lengths.txt"),
+            "zeros": str(tmp_path / "zeros.txt"),
             "config_list": str(tmp_path / "config_list.json"),
             **{name: str(tmp_path / f"{name}.jsonl") for name in files}}
 
@@ -138,6 +140,8 @@ BAD = [
     (["profile", "--jsonl", "{no_role}"], "profile", "no_role.jsonl:1: every message needs"),
     (["profile", "--jsonl", "{broken}"], "profile", "broken.jsonl:2: not JSON"),
     (["profile", "--lengths", "{lengths}", "--step-fixed", "0", "--step-per-token", "0"], "profile", "both 0"),
+    (["profile", "--lengths", "{zeros}", "--step-fixed", "0", "--step-per-token", "1"], "profile",
+     "no time"),  # samples of 0 tokens and no fixed cost: a ZeroDivisionError before
     (["profile", "--lengths", "{lengths}", "--step-fixed", "-1", "--step-per-token", "0.001"], "profile",
      "--step-fixed must be"),
     (["profile", "--lengths", "{lengths}", "--step-fixed", "1", "--step-per-token", "nan"], "profile",
@@ -169,6 +173,22 @@ BAD = [
     (["check", "--traces", "-1"], "check", "--traces"),
     (["check", "--select", "quick_join_2x4", "--real-traces", "{empty}"], "check", "no trace logs"),
 ]
+
+
+def test_check_without_java_is_one_line_naming_what_to_install(monkeypatch, capsys):
+    """A machine without java cannot run TLC: ``odb check`` says so in one line, exit status 2
+    (a ModelCheckError traceback before)."""
+    monkeypatch.setenv("PATH", "/nonexistent")
+    rc, err = run_cli(["check", "--select", "quick_join_1_best_fit", "--scenarios", "none", "--traces", "0",
+                       "--mutant-traces", "0", "--hunt-examples", "0"], capsys)
+    assert rc == 2 and "odb check: java not found" in err and "Traceback" not in err, (rc, err)
+
+
+def test_bench_batching_of_one_sample_runs(capsys):
+    """lhotse's bucketing needs two samples: with one its row is left out (an AssertionError before)."""
+    rc, err = run_cli(["bench", "batching", "--samples", "1", "--worlds", "1", "--budgets", "64", "--distributions",
+                       "uniform", "--reference-worlds", "", "--budget", "padded"], capsys)
+    assert rc == 0, err
 
 
 @pytest.mark.parametrize("args,command,fragment", BAD, ids=[" ".join(a[:3]) for a, _, _ in BAD])

@@ -77,8 +77,11 @@ def test_bench_batching_json_rows():
         assert r["samples"] == 3000, f"{batcher} W={world} lost samples"
         assert 0.9 < r["packing_efficiency"] <= oracle["packing_efficiency"] + 1e-3
         assert r["updates"] * world >= r["batches"], (batcher, world)
+    over = packed["odb packed", 2]["over_budget_singletons"]
+    assert over > 0 and oracle["over_budget_singletons"] == over, "first-fit decreasing sends each alone, as ODB"
     for world in (2, 8):
         per_rank = packed["ffd per rank (offline, each rank's shard)", world]
+        assert per_rank["over_budget_singletons"] == over, "so does it over each rank's shard (it said 0)"
         assert per_rank["updates"] * world >= per_rank["batches"] >= oracle["batches"] - 1, \
             "each rank packs its own shard: its largest count times W covers every batch"
         assert per_rank["alignment_overhead"] == pytest.approx(per_rank["updates"] * world / per_rank["batches"] - 1)

@@ -152,3 +152,40 @@ def test_a_wrapped_factory_takes_the_keywords_its_wrapper_adds():
     finally:
         del sys.modules["wrapped_factories"]
     assert next(built.parameters()).dtype == torch.float64
+
+
+def test_a_packed_shape_carries_the_varlen_keywords_the_demo_model_needs():
+    """A packed row is packed_collate's format: positions restarting every cut-off and the
+    boundaries (``cu_seq_lens_q/k``, ``max_length_q/k``); the demo's model refuses positions
+    without boundaries, so ``odb tune --budget packed`` could not measure it."""
+    from tune_support import tiny_lm
+
+    from odb_tools.tune.measure import train_step
+
+    batch = Shape("packed", 1, 100, 32).tensors(64)
+    assert batch["position_ids"][0, 30:34].tolist() == [30, 31, 0, 1]
+    assert batch["cu_seq_lens_q"].tolist() == [0, 32, 64, 96, 100] and batch["max_length_q"] == 32
+    train_step(tiny_lm(64), Shape("packed", 1, 100, 32), 64, "cpu", "none")
+
+
+def test_a_step_that_fails_not_for_memory_is_a_model_error_not_a_budget_that_does_not_fit():
+    """Out of memory is a measurement (the budget does not fit); any other failure of the step
+    (an index past the model's position table) would fail at every budget, so it is a
+    ModelStepError (a ValueError: one line from the CLI), not advice to raise the limit."""
+    from tune_support import tiny_lm
+
+    from odb_tools.tune.measure import ModelStepError, out_of_memory, peak_in_child
+
+    model, like = tiny_lm(16), Shape("single", 1, 1, 1)  # the child's warm-up step runs it
+
+    def fail(exc: BaseException) -> Any:
+        def run() -> None:
+            raise exc
+        return run
+
+    with pytest.raises(ModelStepError, match="not for memory: IndexError: index out of range"):
+        peak_in_child(model, fail(IndexError("index out of range")), 16, "none", like, "measuring", timeout=60)
+    peak, error = peak_in_child(model, fail(MemoryError()), 16, "none", like, "measuring", timeout=60)
+    assert peak is None and error.startswith("MemoryError")
+    assert out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
+    assert not out_of_memory(ValueError("a packed batch needs both position_ids and cu_seq_lens_q"))

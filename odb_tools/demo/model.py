@@ -1,8 +1,8 @@
 """A small causal transformer built from a config (no weights are downloaded).
 
 It takes padded batches ``[b, t]`` and padding-free packed rows ``[1, total]`` (the packed
-collate's format: ``position_ids`` restarting at 0 per sequence, ``cu_seq_lens``). Packed,
-attention runs sequence by sequence (split at ``cu_seq_lens``), so no token attends
+collate's format: ``position_ids`` restarting at 0 per sequence, ``cu_seq_lens_q``). Packed,
+attention runs sequence by sequence (split at ``cu_seq_lens_q``), so no token attends
 across a sequence boundary and its cost grows with the sum of squared sequence lengths,
 not with the square of the packed row.
 """
@@ -29,7 +29,7 @@ class ModelConfig:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int] | None) -> torch.Tensor:
-    """Causal attention over ``[b, heads, t, dh]``; with ``bounds`` (``cu_seq_lens`` as a list,
+    """Causal attention over ``[b, heads, t, dh]``; with ``bounds`` (``cu_seq_lens_q`` as a list,
     ``b == 1``) each sequence ``bounds[i]:bounds[i+1]`` attends only within itself, one
     attention call per sequence (cost: the sum of squared sequence lengths)."""
     if bounds is None:
@@ -78,19 +78,19 @@ class TinyCausalLM(nn.Module):
                 nn.init.zeros_(module.bias)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
-                cu_seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+                cu_seq_lens_q: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         """(sum of next-token cross-entropy over loss tokens, number of loss tokens).
 
-        Packed (``cu_seq_lens`` given, ``input_ids`` ``[1, total]``): positions are
+        Packed (``cu_seq_lens_q`` given, ``input_ids`` ``[1, total]``): positions are
         ``position_ids`` (restarting at 0 per sequence) and attention stays within each
         sequence; the packed labels carry -100 at every sequence's first token, so no
         sequence's last token is trained to predict the next sequence's first."""
         t = input_ids.shape[1]
-        if (position_ids is None) != (cu_seq_lens is None):
-            raise ValueError("a packed batch needs both position_ids and cu_seq_lens")
-        bounds = None if cu_seq_lens is None else [int(x) for x in cu_seq_lens.tolist()]
+        if (position_ids is None) != (cu_seq_lens_q is None):
+            raise ValueError("a packed batch needs both position_ids and cu_seq_lens_q")
+        bounds = None if cu_seq_lens_q is None else [int(x) for x in cu_seq_lens_q.tolist()]
         if bounds is not None and (input_ids.shape[0] != 1 or bounds[0] != 0 or bounds[-1] != t):
-            raise ValueError(f"cu_seq_lens {bounds[:3]}...{bounds[-1:]} does not cover the packed row of {t} tokens")
+            raise ValueError(f"cu_seq_lens_q {bounds[:3]}...{bounds[-1:]} does not cover the packed row of {t} tokens")
         positions = torch.arange(t) if position_ids is None else position_ids
         h = self.tok(input_ids) + self.pos(positions)
         for block in self.blocks:

@@ -78,7 +78,8 @@ def measure_cpu(model: nn.Module, shape: Shape, vocab_size: int, optimizer: str 
 def peak_in_child(model: nn.Module, run: Callable[[], None], vocab_size: int, optimizer: str, like: Shape,
                   what: str, timeout: float = 3600.0) -> tuple[int | None, str | None]:
     """(this process's RSS plus the growth of a forked child over ``run()``, None) or (None, the
-    failure); the child first runs a step on one token of ``like``'s kind, so the code pages the
+    failure: out of memory, or killed); :class:`ModelStepError` when the step failed otherwise; the
+    child first runs a step on one token of ``like``'s kind, so the code pages the
     parent holds are not counted twice. ``TimeoutError`` naming ``what`` when the child gives no result in time."""
     parent = baseline_bytes("cpu")
     read_fd, write_fd = os.pipe()
@@ -92,9 +93,9 @@ def peak_in_child(model: nn.Module, run: Callable[[], None], vocab_size: int, op
                 f.write("5")  # the high-water mark restarts at the current RSS
             start = baseline_bytes("cpu")
             run()
-            report: dict[str, int | str] = {"peak": parent + max(_vm_hwm() - start, 0)}
-        except BaseException as exc:  # any failure is this measurement's result
-            report = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            report: dict[str, int | str | bool] = {"peak": parent + max(_vm_hwm() - start, 0)}
+        except BaseException as exc:  # any failure is reported: out of memory is this measurement's result
+            report = {"error": f"{type(exc).__name__}: {exc}"[:300], "memory": out_of_memory(exc)}
         os.write(write_fd, json.dumps(report).encode())
         os._exit(0)
     os.close(write_fd)
@@ -109,7 +110,22 @@ def peak_in_child(model: nn.Module, run: Callable[[], None], vocab_size: int, op
         sig = os.WTERMSIG(status)
         return None, f"child killed by {signal.Signals(sig).name} (out of memory?)"
     got = json.loads(raw or b'{"error": "child exited without a report"}')
+    if not got.get("memory", True):
+        raise ModelStepError(f"{what}: the model's training step failed, not for memory: {got['error']}")
     return got.get("peak"), got.get("error")
+
+
+class ModelStepError(ValueError):
+    """The model's training step raised something other than running out of memory (a shape it
+    cannot take, inputs it refuses): no budget can fit, so ``odb tune`` reports it and stops."""
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says an allocation failed (``MemoryError``, torch's ``OutOfMemoryError``, a CPU
+    allocator's "can't allocate memory"), rather than that the model cannot run the step."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and "allocate" in str(exc).lower()
 
 
 def measure_cuda(model: nn.Module, shape: Shape, vocab_size: int, optimizer: str = "none") -> Measurement:
@@ -122,7 +138,8 @@ def measure_cuda(model: nn.Module, shape: Shape, vocab_size: int, optimizer: str
 
 def peak_on_cuda(model: nn.Module, run: Callable[[], None], peak: Callable[[], int]) -> tuple[int | None, str | None]:
     """(``peak()``, None) after ``run()`` from an emptied cache with its peaks reset, or (None, the
-    error) on ``torch.cuda.OutOfMemoryError``; the model's gradients dropped and the cache emptied after."""
+    error) on ``torch.cuda.OutOfMemoryError``; :class:`ModelStepError` for any other failure; the
+    model's gradients dropped and the cache emptied after."""
     model.zero_grad(set_to_none=True)
     gc.collect()
     torch.cuda.empty_cache()
@@ -133,6 +150,9 @@ def peak_on_cuda(model: nn.Module, run: Callable[[], None], peak: Callable[[], i
         return int(peak()), None
     except torch.cuda.OutOfMemoryError as exc:
         return None, f"OutOfMemoryError: {str(exc)[:200]}"
+    except Exception as exc:  # the model cannot run the step: no budget will fit
+        raise ModelStepError(f"the model's training step failed, not for memory: {type(exc).__name__}: "
+                             f"{str(exc)[:300]}") from exc
     finally:
         model.zero_grad(set_to_none=True)
         gc.collect()

@@ -16,6 +16,7 @@ at the cut-off length C) is always admitted. Beyond it:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,21 +39,26 @@ class Shape:
     def label(self) -> str:
         return f"{self.kind} [{self.batch}, {self.length}]"
 
-    def tensors(self, vocab_size: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    def tensors(self, vocab_size: int, device: str | torch.device = "cpu") -> dict[str, Any]:
         """Inputs of this shape: every token a loss token. A padded group of >= 2 rows carries an
         ``attention_mask`` with one padding position (as a real padded batch does); a packed row
-        carries ``position_ids`` restarting every ``cutoff`` tokens and no mask."""
+        carries ``position_ids`` restarting every ``cutoff`` tokens, the varlen keywords of those
+        boundaries (``cu_seq_lens_q/k``, ``max_length_q/k``, as :func:`~odb_torch.packed_collate`'s)
+        and no mask."""
         g = torch.Generator().manual_seed(self.tokens)
         ids = torch.randint(2, max(vocab_size, 3), (self.batch, self.length), generator=g).to(device)
-        batch = {"input_ids": ids, "labels": ids.clone()}
+        batch: dict[str, Any] = {"input_ids": ids, "labels": ids.clone()}
         if self.kind == "padded" and self.batch >= 2:
             mask = torch.ones_like(ids)
             mask[-1, -1] = 0
             batch["labels"][-1, -1] = -100
             batch["attention_mask"] = mask
-        if self.kind == "packed":
-            pos = torch.arange(self.length, device=ids.device) % max(self.cutoff, 1)
-            batch["position_ids"] = pos.unsqueeze(0)
+        if self.kind == "packed":  # packed_collate's keys: positions and the varlen boundaries
+            cut = max(self.cutoff, 1)
+            batch["position_ids"] = (torch.arange(self.length, device=ids.device) % cut).unsqueeze(0)
+            cu = torch.tensor([*range(0, self.length, cut), self.length], dtype=torch.int32, device=ids.device)
+            batch["cu_seq_lens_q"], batch["cu_seq_lens_k"] = cu, cu.clone()
+            batch["max_length_q"] = batch["max_length_k"] = min(cut, self.length)
         return batch
 
 
