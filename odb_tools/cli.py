@@ -204,13 +204,16 @@ OPTION_OF_FIELD = {"output_capacity": "--capacity"}
 
 
 def describe_error(exc: BaseException) -> str:
-    """One line for a user's error: a pydantic ValidationError as ``field: message`` per error
-    (the field under its option's name), anything else as its message."""
+    """One line for a user's error: a pydantic ValidationError as ``--option: message`` per error
+    (the field under its option's name; a check of several fields as its message), anything
+    else as its message."""
     if isinstance(exc, ValidationError):
         parts = []
         for err in exc.errors():
             field = ".".join(map(str, err["loc"]))
-            parts.append(f"{OPTION_OF_FIELD.get(field, field)}: {err['msg']}")
+            message = err["msg"].removeprefix("Value error, ")
+            option = OPTION_OF_FIELD.get(field, "--" + field.replace("_", "-"))
+            parts.append(f"{option}: {message}" if field else message)  # no field: a check of several
         return "; ".join(parts)
     return str(exc)
 
@@ -242,6 +245,9 @@ def _some_ints(text: str) -> list[int]:
     if not values:
         raise argparse.ArgumentTypeError("give at least one value")
     return values
+
+
+_ints.__name__ = _some_ints.__name__ = "comma-separated integers"  # argparse: "invalid ... value"
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

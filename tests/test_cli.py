@@ -154,7 +154,10 @@ BAD = [
     (["tune", "--model", "llama", "--memory", "1.2.3GB", "--max-length", "16"], "tune", "--memory '1.2.3GB'"),
     (["demo", "--quick", "--samples", "8000"], "demo", "holds 7168 conversations"),
     (["profile", "--lengths", "sharegpt4o", "--buffer-size", "0"], "profile", "--buffer-size"),
-    (["simulate", "--token-budget", "0", "--samples", "10"], "simulate", "token_budget"),
+    (["simulate", "--token-budget", "0", "--samples", "10"], "simulate", "--token-budget: "),
+    (["simulate", "--buffer-size", "8", "--depth", "1", "--samples", "10"], "simulate",
+     "invalid configuration: depth (1) must be >= buffer_size (8)"),  # a check of two fields: no ': :' prefix
+    (["bench", "batching", "--budgets", "abc"], "bench batching", "invalid comma-separated integers value"),
     (["simulate", "--capacity", "0", "--samples", "10"], "simulate", "--capacity"),
     (["simulate", "--world", "0", "--samples", "10"], "simulate", "--world"),
     (["simulate", "--lengths", "{missing}"], "simulate", "neither a file nor a known distribution"),
