@@ -152,6 +152,8 @@ BAD = [
     (["tune", "--model", "torch.nn:Linear", "--set", "bogus=1", "--memory", "1GB", "--max-length", "16"], "tune",
      "with --set {'bogus': 1}"),
     (["tune", "--model", "llama", "--memory", "1.2.3GB", "--max-length", "16"], "tune", "--memory '1.2.3GB'"),
+    (["tune", "--model", "llama", "--set", "num_hidden_layers=1.5", "--memory", "1GB", "--max-length", "16"], "tune",
+     "expected int, got float"),  # transformers' reason is on its message's second line
     (["demo", "--quick", "--samples", "8000"], "demo", "holds 7168 conversations"),
     (["profile", "--lengths", "sharegpt4o", "--buffer-size", "0"], "profile", "--buffer-size"),
     (["simulate", "--token-budget", "0", "--samples", "10"], "simulate", "--token-budget: "),

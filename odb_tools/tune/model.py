@@ -88,8 +88,9 @@ def _config(spec: str, overrides: Mapping[str, Any] | None, *args: Any, **kwargs
     try:
         return AutoConfig.for_model(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - any rejection of the user's values, reported as bad input
+        reason = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # one line, all of it
         raise ValueError(f"model {spec!r} with --set {dict(overrides or {})}: {type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+                         f"{reason}") from None
 
 
 def _refuse_new_keys(config: Any, default: Any, overrides: Mapping[str, Any] | None, spec: str,
