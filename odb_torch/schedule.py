@@ -54,7 +54,10 @@ class ProgressLR(LRScheduler):
         super().__init__(optimizer)
 
     def get_lr(self) -> list[float]:  # type: ignore[override]
-        at = self._progress()
+        return self.lrs_at(self._progress())
+
+    def lrs_at(self, at: int) -> list[float]:
+        """Each parameter group's learning rate at progress ``at`` (samples seen)."""
         return [float(base) * float(factor(at)) for base, factor in zip(self.base_lrs, self._factors)]
 
     def state_dict(self) -> dict[str, Any]:

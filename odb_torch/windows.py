@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from odb_core.elastic import global_state_from
-from odb_core.errors import CheckpointStateError, ODBError, ResumeStateError, UnsupportedSettingError
+from odb_core.errors import (
+    CheckpointStateError,
+    ConfigMismatchError,
+    ODBError,
+    ResumeStateError,
+    UnsupportedSettingError,
+)
 from odb_core.sampler import epoch_views
 from odb_torch.step_info import StepInfo
 
@@ -362,6 +368,32 @@ def _load_rank_state(windows: AccumulationWindows, folder: str) -> None:
         windows.load_state_dict(state)
         if state.get("loader") is not None:
             windows.loader.load_state_dict(state["loader"])  # validates rank, world size and seed
+
+
+def global_epoch_samples(windows: AccumulationWindows, device: Any) -> int:
+    """Samples of one epoch over every rank, the same on every rank: join mode yields every view of
+    every rank once, so the sum of the ranks' sampler lengths (all-reduced: a custom sampler's
+    shares may differ in length), or with a shared tail its count (:meth:`AccumulationWindows.samples_per_epoch`).
+    Every rank of a default group as wide as the loader's world joins the all-reduce, whatever
+    its settings: ranks that disagree on ``shared_tail`` get :class:`ConfigMismatchError` (one
+    skipping the collective would leave the others waiting in it)."""
+    import torch
+    import torch.distributed as dist
+
+    loader = windows.loader
+    if loader.world_size == 1 or not (dist.is_available() and dist.is_initialized()) or (
+            dist.get_world_size() != loader.world_size):
+        return windows.samples_per_epoch()
+    on = "cpu" if "gloo" in str(dist.get_backend()) else device
+    pooled = 1 if loader.config.shared_tail else 0
+    total = torch.tensor([len(loader.sampler), pooled], dtype=torch.int64, device=on)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    agreeing = int(total[1].item())
+    if agreeing not in (0, loader.world_size):
+        raise ConfigMismatchError(f"rank {loader.rank}: {agreeing} of {loader.world_size} ranks have a shared_tail; "
+                                  "every rank must build its loader with the same shared_tail", rank=loader.rank,
+                                  field="shared_tail")
+    return windows.samples_per_epoch() if pooled else int(total[0].item())
 
 
 def agree_on_loading(error: BaseException | None, rank: int, where: str, world: int) -> None:

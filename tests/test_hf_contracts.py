@@ -292,8 +292,7 @@ def _epoch_size_rank(rank: int, port: int, out: str) -> None:
 
     from odb_core.errors import ConfigMismatchError
     from odb_torch import ODBDataLoader, pad_collate
-    from odb_torch.integrations.hf import global_epoch_samples
-    from odb_torch.windows import AccumulationWindows
+    from odb_torch.windows import AccumulationWindows, global_epoch_samples
 
     init_gloo(rank, 2, port)
     loader = ODBDataLoader(ToyDataset(40), token_budget=256, collate_fn=pad_collate, num_workers=0, rank=rank,

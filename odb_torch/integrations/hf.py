@@ -27,24 +27,30 @@ import difflib
 import inspect
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import Trainer, TrainerCallback, get_scheduler
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from odb_core.errors import ConfigMismatchError, PackedAttentionError, UnsupportedSettingError
+from odb_core.errors import InvalidSampleError, PackedAttentionError, UnsupportedSettingError
 from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import causal_lm_loss_sum, check_loss_tokens, logits_of, shifted_loss_tokens
 from odb_torch.padding_free import VARLEN_KEYS, adapter_defaults, budget_of, check_packed_attention
 from odb_torch.schedule import ProgressLR
-from odb_torch.windows import AccumulationWindows, MicroBatch, load_windows_state, save_windows_state
+from odb_torch.windows import (
+    AccumulationWindows,
+    MicroBatch,
+    global_epoch_samples,
+    load_windows_state,
+    save_windows_state,
+)
 
 #: the key under which each batch carries its :class:`MicroBatch` through ``Trainer``
 ODB_KEY = "odb_micro_batch"
@@ -73,6 +79,20 @@ class _Batches:
             yield {**mb.batch, ODB_KEY: mb}
 
 
+class _ODBEpoch(TrainerCallback):
+    """Sets ``state.epoch`` from samples seen at each step's end, first of all callbacks: Trainer
+    sets it from its step count over a bound that ODB's varying steps leave far too large, and
+    every callback after this one (the user's too) reads it."""
+
+    def __init__(self, trainer: ODBTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.trainer.odb_windows is not None:
+            state.epoch = self.trainer.odb_progress() / max(self.trainer.odb_epoch_samples, 1)
+        return control
+
+
 class _ODBControl(TrainerCallback):
     """Ends epochs when the data does and training after ``num_train_epochs`` (with the final
     save and evaluation HF's ``DefaultFlowCallback`` makes at ``max_steps``); saves the loader state."""
@@ -91,7 +111,6 @@ class _ODBControl(TrainerCallback):
         w = self.trainer.odb_windows
         if w is None:
             return control
-        state.epoch = self.trainer.odb_progress() / max(self.trainer.odb_epoch_samples, 1)
         if w.at_epoch_end:
             control.should_epoch_stop = True
         if self.trainer.odb_finished():
@@ -223,6 +242,22 @@ def step_fraction_problems(args: Any) -> list[tuple[str, str]]:
     return problems
 
 
+#: ``lr_scheduler_kwargs`` that count optimizer steps (``warmup_stable_decay``, ``inverse_sqrt``): ODBTrainer
+#: runs its schedule over samples seen, so a step count would silently mean that many samples
+STEP_COUNTED_SCHEDULER_KWARGS = ("num_decay_steps", "num_stable_steps", "timescale")
+
+
+def scheduler_kwargs_problems(args: Any) -> list[tuple[str, str]]:
+    """``(field, why)`` for an ``lr_scheduler_kwargs`` entry that counts optimizer steps."""
+    given = getattr(args, "lr_scheduler_kwargs", None) or {}
+    counted = [k for k in STEP_COUNTED_SCHEDULER_KWARGS if given.get(k) is not None]
+    if not counted:
+        return []
+    return [("lr_scheduler_kwargs", f"{', '.join(counted)} count optimizer steps, and ODBTrainer's schedule runs "
+                                    "over samples seen (its steps vary in size): a step count would silently mean "
+                                    "that many samples; use a shape without them (linear, cosine, constant...)")]
+
+
 def refuse(who: str, problems: list[tuple[str, str]]) -> None:
     """Raise :class:`UnsupportedSettingError` naming every field of ``problems``, if any."""
     if problems:
@@ -260,30 +295,7 @@ def check_arguments(who: str, args: Any, warmup_samples: int | None, odb_kwargs:
     if kwargs.get("train_dataset") is None:
         raise ValueError(f"{who} needs a train_dataset (keyword)")
     check_loader_keywords(who, odb_kwargs)
-    refuse(who, loss_setting_problems(args, kwargs) + step_fraction_problems(args))
-
-
-def global_epoch_samples(windows: AccumulationWindows, device: Any) -> int:
-    """Samples of one epoch over every rank, the same on every rank: join mode yields every view of
-    every rank once, so the sum of the ranks' sampler lengths (all-reduced: a custom sampler's
-    shares may differ in length), or with a shared tail its count (:meth:`AccumulationWindows.samples_per_epoch`).
-    Every rank of a default group as wide as the loader's world joins the all-reduce, whatever
-    its settings: ranks that disagree on ``shared_tail`` get :class:`ConfigMismatchError` (one
-    skipping the collective would leave the others waiting in it)."""
-    loader = windows.loader
-    if loader.world_size == 1 or not (dist.is_available() and dist.is_initialized()) or (
-            dist.get_world_size() != loader.world_size):
-        return windows.samples_per_epoch()
-    on = "cpu" if "gloo" in str(dist.get_backend()) else device
-    pooled = 1 if loader.config.shared_tail else 0
-    total = torch.tensor([len(cast(Any, loader.sampler)), pooled], dtype=torch.int64, device=on)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    agreeing = int(total[1].item())
-    if agreeing not in (0, loader.world_size):
-        raise ConfigMismatchError(f"rank {loader.rank}: {agreeing} of {loader.world_size} ranks have a shared_tail; "
-                                  "every rank must build its loader with the same shared_tail", rank=loader.rank,
-                                  field="shared_tail")
-    return windows.samples_per_epoch() if pooled else int(total[0].item())
+    refuse(who, loss_setting_problems(args, kwargs) + step_fraction_problems(args) + scheduler_kwargs_problems(args))
 
 
 class ODBTrainer(Trainer):
@@ -333,6 +345,8 @@ class ODBTrainer(Trainer):
             odb_kwargs.setdefault("collate_fn", collator)
         adapter_defaults(None, odb_kwargs)  # the collate; the model is checked once its device is known
         self.odb_collate = odb_kwargs.pop("collate_fn")
+        if collator is None:  # evaluation and prediction batches collate as training's do (not HF's default)
+            kwargs["data_collator"] = self.odb_collate
         self.odb_loss_sum_fn: LossSumFn = loss_sum_fn or causal_lm_loss
         self.odb_warmup_samples = warmup_samples
         self.odb_windows: AccumulationWindows | None = None
@@ -355,6 +369,18 @@ class ODBTrainer(Trainer):
         if not run_args.disable_tqdm:
             self.add_callback(_SampleProgress(self))
         self.add_callback(_ODBControl(self))
+        self.callback_handler.callbacks.insert(0, _ODBEpoch(self))  # before any callback reads state.epoch
+
+    def _odb_pruned(self, collate: Any) -> tuple[Any, Any]:
+        """The training set and collate with the columns the model's ``forward`` does not take
+        removed before collating, as Trainer prunes its own (``remove_unused_columns``, on by
+        default; a collator such as ``DataCollatorForLanguageModeling`` fails on a text column): a
+        ``datasets.Dataset`` loses them, any other dataset's samples lose them in the collate."""
+        dataset = self.train_dataset
+        hf_datasets = sys.modules.get("datasets")  # loaded if the training set is one of its Datasets
+        if hf_datasets is not None and isinstance(dataset, hf_datasets.Dataset):
+            return self._remove_unused_columns(dataset, description="training"), collate
+        return dataset, self._get_collator_with_removed_columns(collate, description="training")
 
     def call_model_init(self, trial: Any = None) -> torch.nn.Module:
         """The model ``model_init`` makes (in ``__init__`` and each ``train()``), checked as ``model`` is."""
@@ -380,7 +406,8 @@ class ODBTrainer(Trainer):
                                   **self.odb_kwargs}
             if kw["num_workers"] == 0:
                 kw["prefetch_factor"] = None
-            loader = ODBDataLoader(cast(Any, self.train_dataset), token_budget=self.odb_token_budget, **kw)
+            dataset, kw["collate_fn"] = self._odb_pruned(kw["collate_fn"])
+            loader = ODBDataLoader(dataset, token_budget=self.odb_token_budget, **kw)
             self.odb_windows = AccumulationWindows(loader, self.args.gradient_accumulation_steps)
             # the sampler's real epoch size over every rank (a custom sampler may differ from the estimate)
             self.odb_epoch_samples = global_epoch_samples(self.odb_windows, self.args.device)
@@ -446,6 +473,12 @@ class ODBTrainer(Trainer):
         mb = inputs.pop(ODB_KEY, None)
         if not isinstance(mb, MicroBatch):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)  # evaluation batches
+        if self.odb_loss_sum_fn is causal_lm_loss and "labels" not in inputs:
+            raise InvalidSampleError(
+                f"rank {self.args.process_index}: the batch of dataset indices {list(mb.info.indices)} has no "
+                "'labels', which the default loss (causal_lm_loss) needs: give the samples labels (or a "
+                "data_collator that adds them, e.g. DataCollatorForLanguageModeling(tok, mlm=False)), or pass "
+                "loss_sum_fn=", rank=self.args.process_index, indices=mb.info.indices)
         loss_sum, count = self.odb_loss_sum_fn(model, forward_inputs(self.accelerator.unwrap_model(model), inputs))
         check_loss_tokens(count, mb.info.local_tokens, mb.info.indices, self.args.process_index,
                           weighted=not (mb.info.is_idle or mb.is_padding), what="loss_sum_fn")

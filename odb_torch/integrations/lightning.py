@@ -38,7 +38,14 @@ from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import check_loss_tokens, shifted_loss_tokens
 from odb_torch.padding_free import adapter_defaults
 from odb_torch.schedule import ProgressLR, warmup_cosine, warmup_linear
-from odb_torch.windows import AccumulationWindows, MicroBatch, agree_on_loading, load_windows_states, loading_state
+from odb_torch.windows import (
+    AccumulationWindows,
+    MicroBatch,
+    agree_on_loading,
+    global_epoch_samples,
+    load_windows_states,
+    loading_state,
+)
 
 
 def odb_fields(mb: MicroBatch) -> dict[str, Any]:
@@ -146,9 +153,12 @@ class ODBLightningCallback(Callback):
     def lr_scheduler(self, optimizer: torch.optim.Optimizer, *, epochs: int, warmup: float = 0.0,
                      shape: str = "cosine") -> ProgressLR:
         """A ``shape`` schedule ("cosine" or "linear") over ``epochs`` epochs of samples seen;
-        ``warmup`` is a fraction of them. Step it every optimizer step (``"interval": "step"``)."""
+        ``warmup`` is a fraction of them. Step it every optimizer step (``"interval": "step"``).
+        Call it on every rank (``configure_optimizers`` is): an epoch's samples are all-reduced."""
         w = self.windows()
-        total = epochs * w.samples_per_epoch()
+        # over every rank, the same on each: a custom sampler's shares may differ (each rank scheduled its own)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        total = epochs * global_epoch_samples(w, device)
         warm = int(round(warmup * total))
         factor = warmup_cosine(warm, total) if shape == "cosine" else warmup_linear(warm, total)
         return ProgressLR(optimizer, factor, lambda: self.windows().samples_seen)
@@ -164,6 +174,12 @@ class ODBLightningCallback(Callback):
                 "would start the same epoch (the same samples) again each time, as the loader's windows count "
                 "epochs by their end. Use max_steps to end a run early, or a smaller dataset (torch.utils.data."
                 "Subset) for a short epoch", field="limit_train_batches")
+        self._check_accumulation(trainer)
+
+    def _check_accumulation(self, trainer: Any) -> None:
+        """:class:`UnsupportedSettingError` unless the Trainer accumulates as many micro-batches
+        per update as the windows do (P7): at fit start and at every batch, since a
+        ``GradientAccumulationScheduler`` changes the Trainer's count during the run."""
         if trainer.accumulate_grad_batches != self.accumulate_grad_batches:
             raise UnsupportedSettingError(
                 f"rank {trainer.global_rank}: Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) "
@@ -176,6 +192,7 @@ class ODBLightningCallback(Callback):
         self._t0, self._samples0 = time.monotonic(), self.windows().samples_seen
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._check_accumulation(trainer)
         self._started += 1
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
