@@ -35,7 +35,7 @@ from typing import Any, cast
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
-from transformers import Trainer, TrainerCallback, get_scheduler
+from transformers import DataCollatorWithPadding, Trainer, TrainerCallback, default_data_collator, get_scheduler
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
@@ -345,8 +345,6 @@ class ODBTrainer(Trainer):
             odb_kwargs.setdefault("collate_fn", collator)
         adapter_defaults(None, odb_kwargs)  # the collate; the model is checked once its device is known
         self.odb_collate = odb_kwargs.pop("collate_fn")
-        if collator is None:  # evaluation and prediction batches collate as training's do (not HF's default)
-            kwargs["data_collator"] = self.odb_collate
         self.odb_loss_sum_fn: LossSumFn = loss_sum_fn or causal_lm_loss
         self.odb_warmup_samples = warmup_samples
         self.odb_windows: AccumulationWindows | None = None
@@ -364,6 +362,9 @@ class ODBTrainer(Trainer):
         super().__init__(model, run_args, **kwargs)
         if model is not None:  # a model_init's models are checked as they are made (call_model_init)
             self._odb_check_packed(model)
+        if collator is None and (self.data_collator is default_data_collator
+                                 or isinstance(self.data_collator, DataCollatorWithPadding)):
+            self.data_collator = self.odb_collate  # evaluation collates as training does, not by Trainer's default
         self.loss_is_scaled_for_ga = True  # compute_loss already normalises over the window
         self.remove_callback(ProgressCallback)
         if not run_args.disable_tqdm:
