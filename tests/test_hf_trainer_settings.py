@@ -44,14 +44,20 @@ def arguments(out: Path, **kw: Any) -> Any:
 def test_columns_the_model_does_not_take_are_removed_before_the_collator(tmp_path):
     """The causal-LM recipe: a tokenized datasets.Dataset keeping its text column, collated by
     DataCollatorForLanguageModeling. A stock Trainer prunes the column first; ODBTrainer handed it
-    to the collator, which failed on the strings (CollateFnError)."""
+    to the collator, which failed on the strings (CollateFnError). The removal is in the collate,
+    so a length_fn reads a column the model does not take."""
     tok = make_tokenizer()
-    ds = texts(24).map(lambda b: tok(b["text"]), batched=True)
-    assert "text" in ds.column_names
+    ds = texts(24).map(lambda b: tok(b["text"]), batched=True).map(lambda r: {"tokens": len(r["input_ids"])})
+    assert {"text", "tokens"} <= set(ds.column_names)
     collator = transformers.DataCollatorForLanguageModeling(tok, mlm=False)
     result = ODBTrainer(model=tiny(len(tok), tok.pad_token_id), args=arguments(tmp_path), train_dataset=ds,
-                        data_collator=collator, token_budget=256, odb_kwargs=ODB).train()
+                        data_collator=collator, token_budget=256,
+                        odb_kwargs={**ODB, "length_fn": _tokens}).train()  # measured before the removal
     assert result.global_step > 0
+
+
+def _tokens(sample: dict[str, Any]) -> int:
+    return int(sample["tokens"])
 
 
 def test_evaluation_collates_as_training_does(tmp_path):

@@ -27,7 +27,6 @@ import difflib
 import inspect
 import math
 import os
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -372,16 +371,12 @@ class ODBTrainer(Trainer):
         self.add_callback(_ODBControl(self))
         self.callback_handler.callbacks.insert(0, _ODBEpoch(self))  # before any callback reads state.epoch
 
-    def _odb_pruned(self, collate: Any) -> tuple[Any, Any]:
-        """The training set and collate with the columns the model's ``forward`` does not take
-        removed before collating, as Trainer prunes its own (``remove_unused_columns``, on by
-        default; a collator such as ``DataCollatorForLanguageModeling`` fails on a text column): a
-        ``datasets.Dataset`` loses them, any other dataset's samples lose them in the collate."""
-        dataset = self.train_dataset
-        hf_datasets = sys.modules.get("datasets")  # loaded if the training set is one of its Datasets
-        if hf_datasets is not None and isinstance(dataset, hf_datasets.Dataset):
-            return self._remove_unused_columns(dataset, description="training"), collate
-        return dataset, self._get_collator_with_removed_columns(collate, description="training")
+    def _odb_pruned(self, collate: Any) -> Any:
+        """``collate`` behind Trainer's removal of the fields the model's ``forward`` does not take
+        (``remove_unused_columns``, on by default), as Trainer prunes its own before collating (a
+        collator such as ``DataCollatorForLanguageModeling`` fails on a text column). The removal
+        runs in the collate, after the loader measured each sample: a ``length_fn`` may read any field."""
+        return self._get_collator_with_removed_columns(collate, description="training")
 
     def call_model_init(self, trial: Any = None) -> torch.nn.Module:
         """The model ``model_init`` makes (in ``__init__`` and each ``train()``), checked as ``model`` is."""
@@ -407,8 +402,8 @@ class ODBTrainer(Trainer):
                                   **self.odb_kwargs}
             if kw["num_workers"] == 0:
                 kw["prefetch_factor"] = None
-            dataset, kw["collate_fn"] = self._odb_pruned(kw["collate_fn"])
-            loader = ODBDataLoader(dataset, token_budget=self.odb_token_budget, **kw)
+            kw["collate_fn"] = self._odb_pruned(kw["collate_fn"])
+            loader = ODBDataLoader(cast(Any, self.train_dataset), token_budget=self.odb_token_budget, **kw)
             self.odb_windows = AccumulationWindows(loader, self.args.gradient_accumulation_steps)
             # the sampler's real epoch size over every rank (a custom sampler may differ from the estimate)
             self.odb_epoch_samples = global_epoch_samples(self.odb_windows, self.args.device)
