@@ -309,22 +309,9 @@ def test_ranks_that_disagree_on_the_shared_tail_get_a_typed_error_not_a_hang(tmp
     """The epoch's size is all-reduced by every rank, whatever its settings: a rank with a shared
     tail skipped the collective before, leaving the others waiting in it (under NCCL, until its
     timeout); now both ranks raise ConfigMismatchError naming shared_tail."""
-    import multiprocessing
+    from torch_support import fork_two_ranks
 
-    from odb_torch.ports import free_port
-
-    port, ctx = free_port(), multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_epoch_size_rank, args=(r, port, str(tmp_path))) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    outcomes = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    outcomes = fork_two_ranks(_epoch_size_rank, tmp_path, timeout=60)
     assert outcomes == ["ConfigMismatchError shared_tail"] * 2, outcomes
 
 

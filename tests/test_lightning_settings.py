@@ -7,7 +7,6 @@ sampler gives the ranks shares of different lengths."""
 from __future__ import annotations
 
 import json
-import multiprocessing
 from pathlib import Path
 from typing import Any
 
@@ -74,18 +73,7 @@ def test_the_schedule_spans_the_epoch_over_every_rank_when_shares_differ(tmp_pat
     """Each rank scheduled over its own share times W (98 and 96 samples): different learning
     rates at every update, so the DDP replicas drifted apart. Now every rank schedules over the
     97 samples of the epoch: warm-up round(0.5 x 97) = 48, so 24 samples in gives 0.5."""
-    from odb_torch.ports import free_port
+    from torch_support import fork_two_ranks
 
-    port, ctx = free_port(), multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_schedule_rank, args=(r, port, str(tmp_path))) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    lrs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    lrs = fork_two_ranks(_schedule_rank, tmp_path)
     assert lrs == [pytest.approx(0.5)] * 2, lrs

@@ -287,20 +287,27 @@ def test_a_dead_stream_worker_is_a_typed_error_within_seconds_not_the_timeout() 
 
     import torch
 
-    from odb_core.errors import SampleLoadError
 
     list(torch.utils.data.DataLoader(list(range(4)), num_workers=1))  # as a trainer's own DataLoader would
     loader = ODBDataLoader(_DyingStream(), token_budget=64, buffer_size=8, num_workers=1, rank=0, world_size=1,
                            timeout=60, start_method="fork")
     started = time.monotonic()
+    error = _load_error(loader)
+    assert error.rank == 0 and "exited unexpectedly" in str(error), error
+    assert time.monotonic() - started < 30, f"reported after {time.monotonic() - started:.0f}s"
+
+
+def _load_error(loader: ODBDataLoader) -> Any:
+    """The SampleLoadError a pass over ``loader`` ends with (the loader closed after it)."""
+    from odb_core.errors import SampleLoadError
+
     try:
         with pytest.raises(SampleLoadError) as err:
             for _ in loader:
                 pass
     finally:
         loader.close()
-    assert err.value.rank == 0 and "exited unexpectedly" in str(err.value), err.value
-    assert time.monotonic() - started < 30, f"reported after {time.monotonic() - started:.0f}s"
+    return err.value
 
 
 class _FailingStream(__import__("torch").utils.data.IterableDataset):  # type: ignore[misc]
@@ -322,21 +329,15 @@ def test_a_failing_stream_names_where_the_failed_read_began(at: int) -> None:
     first position not yet read: the SampleLoadError names that position (its indices) as such,
     and the failing element lies in the chunk it begins (it said "reading position 0 failed" for
     an element at 20)."""
-    from odb_core.errors import SampleLoadError
     from odb_torch import pad_collate
     from odb_torch.stream_loading import STREAM_CHUNK
 
     loader = ODBDataLoader(_FailingStream(at), token_budget=64, buffer_size=8, num_workers=0, rank=0, world_size=1,
                            timeout=60, collate_fn=pad_collate)
-    try:
-        with pytest.raises(SampleLoadError) as err:
-            for _ in loader:
-                pass
-    finally:
-        loader.close()
-    (first,) = err.value.indices
-    assert first <= at < first + STREAM_CHUNK and f"at or after position {first}" in str(err.value), err.value
-    assert f"corrupt record {at}" in str(err.value)
+    error = _load_error(loader)
+    (first,) = error.indices
+    assert first <= at < first + STREAM_CHUNK and f"at or after position {first}" in str(error), error
+    assert f"corrupt record {at}" in str(error)
 
 
 class _IdStream(__import__("torch").utils.data.IterableDataset):  # type: ignore[misc]

@@ -245,6 +245,28 @@ def init_gloo(rank: int, world: int, port: int, seconds: float = 60) -> None:
                             timeout=timedelta(seconds=seconds))
 
 
+def fork_two_ranks(target: Any, out: Path, timeout: float = 120) -> list[Any]:
+    """Run ``target(rank, port, str(out))`` in two forked processes (a W=2 group on a free port);
+    each must exit 0 within ``timeout`` (killed otherwise); their ``out/rank{r}.json``, loaded."""
+    import json
+    import multiprocessing
+
+    from odb_torch.ports import free_port
+
+    port, ctx = free_port(), multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=target, args=(r, port, str(out))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
 def record_error(result: dict[str, Any], exc: Exception) -> None:
     """Put the rank's error (type, message, traceback) into its result, for the test to check."""
     result["error"] = type(exc).__name__
