@@ -334,12 +334,16 @@ class ODBDataLoader:
         self.epoch = 0
         self._start_method = resolve_start_method(start_method, tmp.get_all_start_methods())
         self._ctx: Any = tmp.get_context(self._start_method)
+        self._queue_size = queue_size
+        self._init_run_state()
+
+    def _init_run_state(self) -> None:
+        """The collate process's handles and the epoch's bookkeeping, before any ``iter()``."""
         self._proc: Any = None
         self._collectives = Collectives()  # the running collate process's (_start)
         self._ctrl: Any = None
         self._out: Any = None
         self._inbox: Inbox | None = None  # reads self._out in a thread (odb_torch.inbox)
-        self._queue_size = queue_size
         self._step_info: StepInfo | None = None
         self._consumed: list[int] = []  # sampler positions yielded this epoch
         self._steps = 0  # steps (idle included) consumed this epoch
