@@ -91,6 +91,12 @@ def _integral(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex)
 
 
+def holds_counts(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` holds integers that mean numbers (token ids, labels, counts): not a float,
+    complex or bool dtype (a cast of those to int64 would silently change or invent values)."""
+    return _integral(dtype) and dtype != torch.bool
+
+
 def _dtype(rows: list[torch.Tensor], sizes: list[int], key: str) -> torch.dtype:
     """The batch dtype of ``rows``: int64 for integer token rows and for mixed integer widths (no
     value wraps; unsigned dtypes do not promote), else the promoted dtype of the non-empty rows."""

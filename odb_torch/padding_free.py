@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from odb_core.errors import InvalidSampleError, PackedAttentionCostWarning, PackedAttentionError, UnsupportedSettingError
-from odb_torch.collate import check_fields, collate_field
+from odb_torch.collate import check_fields, collate_field, holds_counts
 
 IGNORE_INDEX = -100
 
@@ -106,9 +106,8 @@ def _token_row(value: Any, k: int, field: str) -> torch.Tensor:
     if row.dim() != 1:
         raise InvalidSampleError(f"packed_collate: sample {k} of the group: {field} has shape {list(row.shape)}, "
                                  "not one row (squeeze a tokenizer's batch dimension)")
-    dtype = row.dtype
-    if row.numel() and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
-        raise InvalidSampleError(f"packed_collate: sample {k} of the group: {field} are {dtype}, not integer "
+    if row.numel() and not holds_counts(row.dtype):
+        raise InvalidSampleError(f"packed_collate: sample {k} of the group: {field} are {row.dtype}, not integer "
                                  "token ids (a cast would change them)")
     return row.to(torch.int64)
 

@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import Dataset
 
 from odb_core.errors import InvalidSampleError, ODBError, SampleLoadError
+from odb_torch.collate import holds_counts
 from odb_torch.losses import signed_labels
 
 INLINE_BYTES = 4 << 20
@@ -166,7 +167,7 @@ def default_length(sample: Any) -> int:
         raise ValueError(f"input_ids has shape {list(ids.shape)}, not one row of token ids (squeeze a "
                          "tokenizer's batch dimension)")
     if isinstance(ids, torch.Tensor):
-        if ids.numel() and (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool):
+        if ids.numel() and not holds_counts(ids.dtype):
             raise ValueError(f"input_ids are {ids.dtype}, not integer token ids")
         return ids.shape[0]
     if isinstance(ids, (str, bytes)) or (len(ids) and not _is_index(ids[0])):
@@ -243,7 +244,7 @@ def as_count(value: object) -> int | None:
     if type(value) is int:  # the common case, without the ABC checks below
         return value
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        if value.numel() != 1 or not holds_counts(value.dtype):
             return None
         return int(value.item())
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
