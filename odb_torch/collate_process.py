@@ -164,29 +164,29 @@ class CollateSpec:
     included), the same on every rank: the store's identity (:func:`_join_store`)."""
 
 
-class Collectives:
-    """How many times the collate process entered or left a collective call (its collate group's
-    rendezvous, then its gathers), in memory the trainer shares: odd while it is inside one, 1
-    inside the rendezvous. There it reads no Stop, and a peer that never started keeps it there
-    for up to ``timeout`` (300 s by default), so the trainer's ``close()`` does not wait long for
-    a process still in its rendezvous (``odb_torch.loader.await_exit``). ``ctx``: the
-    trainer's multiprocessing context; None: a counter of this process only."""
+class Rendezvous:
+    """Whether the collate process is inside its collate group's rendezvous, in memory the trainer
+    shares: 0 before, 1 inside, 2 after. There it reads no Stop, and a peer that never started
+    keeps it there for up to ``timeout`` (300 s by default), so the trainer's ``close()`` does not
+    wait long for a process still in it (``odb_torch.loader.await_exit``); after it, every gather
+    completes with the peers or fails once one exits. ``ctx``: the trainer's multiprocessing
+    context; None: a mark of this process only."""
 
     def __init__(self, ctx: Any = None) -> None:
         self._count: Any = ctx.RawValue(ctypes.c_int64, 0) if ctx is not None else ctypes.c_int64(0)
 
     @property
-    def count(self) -> int:
-        return int(self._count.value)
+    def waiting(self) -> bool:
+        return int(self._count.value) == 1
 
     @contextlib.contextmanager
     def inside(self) -> Iterator[None]:
-        """Count the call run in this block as entered, then as left (however it ends)."""
-        self._count.value += 1
+        """Mark the rendezvous run in this block as entered, then as left (however it ends)."""
+        self._count.value = 1
         try:
             yield
         finally:
-            self._count.value += 1
+            self._count.value = 2
 
 
 class _ParentGone(Exception):
@@ -279,9 +279,9 @@ class CollateServer:
     """One rank's collate process: serves epochs until told to stop (or the trainer is gone)."""
 
     def __init__(self, spec: CollateSpec, sampler: Any, ctrl: Any, out: Any,
-                 collectives: Collectives | None = None) -> None:
+                 rendezvous: Rendezvous | None = None) -> None:
         self.spec, self.sampler, self.ctrl, self.out = spec, sampler, ctrl, out
-        self.collectives = collectives or Collectives()  # the trainer reads it at close()
+        self.rendezvous = rendezvous or Rendezvous()  # the trainer reads it at close()
         self.parent = os.getppid()
         self.pg: Any = None
         self.trace_dir = os.environ.get(TRACE_ENV) or None
@@ -319,7 +319,7 @@ class CollateServer:
         # threads' stacks go to stderr, so a rank that joined the group but never gathered says where
         _stack_dumps(faulthandler.dump_traceback_later, spec.timeout)
         try:
-            with self.collectives.inside():
+            with self.rendezvous.inside():
                 store, self.pg = _collate_group(spec)
         except Exception as exc:
             self._close_loading()
@@ -655,8 +655,7 @@ class CollateServer:
         mine = torch.tensor(values, dtype=torch.int64)
         rows = torch.empty((self.spec.world, len(values)), dtype=torch.int64)
         try:
-            with self.collectives.inside():
-                self.pg.allgather([list(rows.unbind(0))], [mine]).wait()
+            self.pg.allgather([list(rows.unbind(0))], [mine]).wait()
         except Exception as exc:  # gloo raises RuntimeError subclasses on peer death and timeouts
             raise PeerError(f"rank {self.spec.rank}: the {what} all_gather of the collate group failed "
                             f"(a peer rank died or exceeded the timeout): {exc}", rank=self.spec.rank) from None
@@ -775,7 +774,7 @@ def _exit_with_trainer(parent: int) -> None:
     threading.Thread(target=watch, name="odb-trainer-watch", daemon=True).start()
 
 
-def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any, collectives: Collectives | None = None) -> None:
+def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any, rendezvous: Rendezvous | None = None) -> None:
     """Process entry point: serve epochs until told to stop (:class:`CollateServer`).
 
     Ctrl-C reaches the whole process group; the trainer reacts to it (its loader stops
@@ -784,7 +783,7 @@ def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any, collectiv
     that only sets a flag, torch's SIGCHLD handler for the trainer's own DataLoader
     workers): SIGTERM and SIGCHLD go back to their defaults, so ``terminate()`` ends it.
     A sampler with a ``server_cls`` (a stream's, :mod:`odb_torch.stream_loading`) names the server.
-    ``collectives``: where it counts its collective calls for the trainer (:class:`Collectives`).
+    ``rendezvous``: where it marks its group's rendezvous for the trainer (:class:`Rendezvous`).
 
     If the trainer is gone when serving ends (killed, or ``os._exit``), nobody will read the
     output queue: a batch the queue's feeder thread is still writing (over the pipe's 64 KiB:
@@ -818,7 +817,7 @@ def collate_main(spec: CollateSpec, sampler: Any, ctrl: Any, out: Any, collectiv
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     parent = os.getppid()
     try:
-        getattr(sampler, "server_cls", CollateServer)(spec, sampler, ctrl, out, collectives).serve()
+        getattr(sampler, "server_cls", CollateServer)(spec, sampler, ctrl, out, rendezvous).serve()
     finally:
         if os.getppid() != parent:
             out.cancel_join_thread()

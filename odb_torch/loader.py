@@ -42,7 +42,7 @@ from odb_core.tail import TailPosition
 from odb_torch.collate_process import (
     STACK_SIGNAL,
     CollateSpec,
-    Collectives,
+    Rendezvous,
     collate_main,
     file_system_sharing,
     release_payload,
@@ -143,21 +143,20 @@ POLL = 0.02
 """Seconds between :func:`await_exit`'s looks at a collate process told to stop."""
 
 
-def await_exit(proc: Any, collectives: Collectives, timeout: float, grace: float = COLLECTIVE_GRACE,
+def await_exit(proc: Any, rendezvous: Rendezvous, timeout: float, grace: float = COLLECTIVE_GRACE,
                clock: Callable[[], float] = time.monotonic) -> None:
     """Wait up to ``timeout`` seconds for ``proc``, told to stop, to exit; return after ``grace``
-    seconds if it is inside its first collective call, the group's rendezvous (``collectives``'
-    count 1): it cannot read the Stop before its peers come, and they may never come. A process
-    in a later gather is waited for: its peers joined the group once, so the gather completes, or
-    fails as soon as a peer exits, and it then reads the Stop or ends; so is one loading,
-    collating or waiting for room or a command."""
+    seconds if it is inside its group's rendezvous (:attr:`Rendezvous.waiting`): it cannot read the
+    Stop before its peers come, and they may never come. A process in a later gather is waited for:
+    its peers joined the group once, so the gather completes, or fails as soon as a peer exits, and
+    it then reads the Stop or ends; so is one loading, collating or waiting for room or a command."""
     deadline = clock() + timeout
     since: float | None = None
     while (left := deadline - clock()) > 0:
         proc.join(min(left, POLL))
         if proc.exitcode is not None:
             return
-        if collectives.count != 1:
+        if not rendezvous.waiting:
             since = None
         elif since is None:
             since = clock()
@@ -340,7 +339,7 @@ class ODBDataLoader:
     def _init_run_state(self) -> None:
         """The collate process's handles and the epoch's bookkeeping, before any ``iter()``."""
         self._proc: Any = None
-        self._collectives = Collectives()  # the running collate process's (_start)
+        self._rendezvous = Rendezvous()  # the running collate process's (_start)
         self._ctrl: Any = None
         self._out: Any = None
         self._inbox: Inbox | None = None  # reads self._out in a thread (odb_torch.inbox)
@@ -552,9 +551,9 @@ class ODBDataLoader:
         self._spec = dataclasses.replace(self._spec, start=start)
         self._ctrl = self._ctx.Queue()
         self._out = self._ctx.Queue(maxsize=self._queue_size)
-        self._collectives = Collectives(self._ctx)
+        self._rendezvous = Rendezvous(self._ctx)
         self._proc = self._ctx.Process(target=collate_main, name=f"odb-collate-rank{self.rank}", daemon=False,
-                                       args=(self._spec, sampler, self._ctrl, self._out, self._collectives))
+                                       args=(self._spec, sampler, self._ctrl, self._out, self._rendezvous))
         self._heard = False
         try:
             self._proc.start()
@@ -737,7 +736,7 @@ class ODBDataLoader:
                 self._ctrl.put(Stop())
             except Exception:
                 pass
-            await_exit(proc, self._collectives, timeout)
+            await_exit(proc, self._rendezvous, timeout)
         if proc.is_alive():
             proc.terminate()
             proc.join(timeout)

@@ -45,8 +45,8 @@ from odb_torch.collate_process import (
     MAX_CHUNK,
     CollateServer,
     CollateSpec,
-    Collectives,
     LoadStuck,
+    Rendezvous,
     _ParentGone,
     check_interval,
     next_loaded,
@@ -383,8 +383,8 @@ class StreamServer(CollateServer):
     """A rank's collate process over a stream: :class:`CollateServer` with the stream's reads."""
 
     def __init__(self, spec: CollateSpec, options: StreamSampler, ctrl: Any, out: Any,
-                 collectives: Collectives | None = None) -> None:
-        super().__init__(spec, options, ctrl, out, collectives)
+                 rendezvous: Rendezvous | None = None) -> None:
+        super().__init__(spec, options, ctrl, out, rendezvous)
         self.options = options
         self._packer = Packer(spec.rank, spec.length_fn, spec.loss_tokens_fn)
         self._reader: StreamReader | None = None

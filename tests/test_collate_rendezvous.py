@@ -321,32 +321,35 @@ def test_close_is_prompt_while_the_collate_process_waits_for_an_absent_peer(rank
 
 class _Running:
     """A collate process that never exits, on a fake clock: each ``join(t)`` advances it by ``t``
-    and moves the collective count to the next of ``counts``."""
+    and moves its rendezvous mark to the next of ``marks`` (0 before, 1 inside, 2 after)."""
 
-    def __init__(self, counts: Any) -> None:
-        self.exitcode, self._counts, self.count, self.now = None, counts, 0, 0.0
+    def __init__(self, marks: Any) -> None:
+        self.exitcode, self._marks, self.mark, self.now = None, marks, 0, 0.0
+
+    @property
+    def waiting(self) -> bool:
+        return self.mark == 1
 
     def join(self, timeout: float) -> None:
         self.now += timeout
-        self.count = next(self._counts)
+        self.mark = next(self._marks)
 
     def clock(self) -> float:
         return self.now
 
 
-@pytest.mark.parametrize(("counts", "waited"), [
-    ([0], "timeout"),  # loading, collating, waiting for room or a command: it will read the Stop
+@pytest.mark.parametrize(("marks", "waited"), [
+    ([0], "timeout"),  # starting: it reads the Stop once it looks
     ([1], "grace"),  # in the group's rendezvous: a peer may never come, and it reads nothing there
-    ([3], "timeout"),  # in a gather: its peers joined once, so the gather ends with them or fails
-    ([2, 1], "grace"),  # a short look outside, then the rendezvous: the grace counts from there
-    ("moving", "timeout"),  # one call after another (its peers take part): it is progressing
+    ([2], "timeout"),  # past it (loading, collating, in a gather): its peers joined, it will read the Stop
+    ([0, 1], "grace"),  # a look before, then the rendezvous: the grace counts from there
+    ([1, 2], "timeout"),  # its peers came during the grace: it is waited for again
 ])
-def test_close_gives_up_early_only_on_a_process_waiting_in_its_rendezvous(counts, waited):
+def test_close_gives_up_early_only_on_a_process_waiting_in_its_rendezvous(marks, waited):
     import itertools
 
     from odb_torch.loader import await_exit
 
-    looks = itertools.count(1, 2) if counts == "moving" else itertools.chain(counts[:-1], itertools.repeat(counts[-1]))
-    proc = _Running(looks)
+    proc = _Running(itertools.chain(marks[:-1], itertools.repeat(marks[-1])))
     await_exit(proc, proc, timeout=1.0, grace=0.1, clock=proc.clock)  # type: ignore[arg-type]  # duck-typed
     assert proc.now < 0.2 if waited == "grace" else proc.now >= 1.0, f"waited {proc.now:.2f}s"
