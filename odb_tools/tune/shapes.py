@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from odb_core.config import BUDGETS
+from odb_torch.padding_free import packed_collate
 
 
 @dataclass(frozen=True, order=True)
@@ -42,23 +43,22 @@ class Shape:
     def tensors(self, vocab_size: int, device: str | torch.device = "cpu") -> dict[str, Any]:
         """Inputs of this shape: every token a loss token. A padded group of >= 2 rows carries an
         ``attention_mask`` with one padding position (as a real padded batch does); a packed row
-        carries ``position_ids`` restarting every ``cutoff`` tokens, the varlen keywords of those
-        boundaries (``cu_seq_lens_q/k``, ``max_length_q/k``, as :func:`~odb_torch.packed_collate`'s)
-        and no mask."""
+        is :func:`~odb_torch.packed_collate`'s row of sequences of ``cutoff`` tokens (the last
+        shorter): ``position_ids`` restarting at each, the varlen keywords, no mask, and each
+        sequence's first label -100."""
         g = torch.Generator().manual_seed(self.tokens)
-        ids = torch.randint(2, max(vocab_size, 3), (self.batch, self.length), generator=g).to(device)
+        ids = torch.randint(2, max(vocab_size, 3), (self.batch, self.length), generator=g)
+        if self.kind == "packed":
+            parts = torch.split(ids[0], max(self.cutoff, 1))
+            row = packed_collate([{"input_ids": part} for part in parts])
+            return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in row.items()}
+        ids = ids.to(device)
         batch: dict[str, Any] = {"input_ids": ids, "labels": ids.clone()}
         if self.kind == "padded" and self.batch >= 2:
             mask = torch.ones_like(ids)
             mask[-1, -1] = 0
             batch["labels"][-1, -1] = -100
             batch["attention_mask"] = mask
-        if self.kind == "packed":  # packed_collate's keys: positions and the varlen boundaries
-            cut = max(self.cutoff, 1)
-            batch["position_ids"] = (torch.arange(self.length, device=ids.device) % cut).unsqueeze(0)
-            cu = torch.tensor([*range(0, self.length, cut), self.length], dtype=torch.int32, device=ids.device)
-            batch["cu_seq_lens_q"], batch["cu_seq_lens_k"] = cu, cu.clone()
-            batch["max_length_q"] = batch["max_length_k"] = min(cut, self.length)
         return batch
 
 
