@@ -371,13 +371,6 @@ class ODBTrainer(Trainer):
         self.add_callback(_ODBControl(self))
         self.callback_handler.callbacks.insert(0, _ODBEpoch(self))  # before any callback reads state.epoch
 
-    def _odb_pruned(self, collate: Any) -> Any:
-        """``collate`` behind Trainer's removal of the fields the model's ``forward`` does not take
-        (``remove_unused_columns``, on by default), as Trainer prunes its own before collating (a
-        collator such as ``DataCollatorForLanguageModeling`` fails on a text column). The removal
-        runs in the collate, after the loader measured each sample: a ``length_fn`` may read any field."""
-        return self._get_collator_with_removed_columns(collate, description="training")
-
     def call_model_init(self, trial: Any = None) -> torch.nn.Module:
         """The model ``model_init`` makes (in ``__init__`` and each ``train()``), checked as ``model`` is."""
         model = super().call_model_init(trial)
@@ -402,7 +395,9 @@ class ODBTrainer(Trainer):
                                   **self.odb_kwargs}
             if kw["num_workers"] == 0:
                 kw["prefetch_factor"] = None
-            kw["collate_fn"] = self._odb_pruned(kw["collate_fn"])
+            # Trainer's removal of the fields forward does not take (remove_unused_columns), as it prunes its own
+            # before collating, here inside the collate: after the loader measured each sample (any length_fn field)
+            kw["collate_fn"] = self._get_collator_with_removed_columns(kw["collate_fn"], description="training")
             loader = ODBDataLoader(cast(Any, self.train_dataset), token_budget=self.odb_token_budget, **kw)
             self.odb_windows = AccumulationWindows(loader, self.args.gradient_accumulation_steps)
             # the sampler's real epoch size over every rank (a custom sampler may differ from the estimate)
