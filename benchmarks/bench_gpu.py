@@ -41,6 +41,7 @@ from odb_core import ODBConfig
 from odb_core.budgets import form
 from odb_tools.demo.chat_data import encode, load_conversations, tokenizer
 from odb_tools.demo.train import LengthGroupedBatches
+from odb_tools.tune.measure import cuda_fraction
 from odb_torch.collate import pad_collate
 from odb_torch.loader import ODBDataLoader
 from odb_torch.losses import shifted_loss_tokens
@@ -153,6 +154,10 @@ class PeakMemory:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
+    def reserved(self) -> int | None:
+        """The caching allocator's peak hold (``max_memory_reserved``: what the card must have); None on CPU."""
+        return int(torch.cuda.max_memory_reserved()) if self.device.startswith("cuda") else None
+
 
 def _on(batch: dict[str, Any], device: str) -> dict[str, Any]:
     """The batch's model inputs on ``device`` (tensors moved; ints such as ``max_length_q`` kept)."""
@@ -211,7 +216,7 @@ def train_method(method: str, data: ChatSamples, size: dict[str, Any], batch_siz
         if close is not None:
             close()
     seconds = time.perf_counter() - started
-    peak = memory.peak()
+    peak, reserved = memory.peak(), memory.reserved()
     del model, opt
     gc.collect()
     if device.startswith("cuda"):
@@ -220,7 +225,8 @@ def train_method(method: str, data: ChatSamples, size: dict[str, Any], batch_siz
     return {"method": method, "samples": samples, "steps": steps, "seconds": seconds,
             "samples_per_second": samples / seconds if done else None,
             "tokens_per_second": real / seconds if done else None,
-            "padding_fraction": 1 - real / max(processed, 1), "peak_memory_bytes": peak, "max_step_tokens": widest,
+            "padding_fraction": 1 - real / max(processed, 1), "peak_memory_bytes": peak,
+            "peak_reserved_bytes": reserved, "max_step_tokens": widest,
             "parameters": parameters, "out_of_memory": out_of_memory}
 
 
@@ -318,6 +324,18 @@ def _table_row(r: dict[str, Any]) -> str:
             f"| {r['peak_memory_bytes'] / 2**20:,.0f} | {r['steps']} | {ratio} | {memory} |")
 
 
+def cap_memory(device: str, limit: int) -> None:
+    """Cap the caching allocator on ``device`` at ``limit`` bytes for the rest of the process (past it,
+    it frees its cache and retries before it raises out of memory, as on a card of that size);
+    SystemExit on CPU or above the card's memory."""
+    if not device.startswith("cuda"):
+        raise SystemExit("bench_gpu: --memory-limit needs --device cuda")
+    index, fraction = cuda_fraction(device, limit)
+    if limit > torch.cuda.get_device_properties(index).total_memory:
+        raise SystemExit(f"bench_gpu: --memory-limit {limit:,} exceeds the card's memory")
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=tuple(SIZES), default="tiny")
@@ -337,9 +355,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--rows-to", default=None, metavar="PATH",
                    help="append each method's row to PATH as a JSON line as soon as it finishes")
+    p.add_argument("--memory-limit", type=_positive, default=None, metavar="BYTES",
+                   help="CUDA only: cap this process's allocator at BYTES, as if the card had no more "
+                        "(torch.cuda.set_per_process_memory_fraction); a step beyond it is out of memory")
     args = p.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("bench_gpu: --device cuda but CUDA is not available")
+    if args.memory_limit is not None:
+        cap_memory(args.device, args.memory_limit)
     result = run(args.size, args.device, [m for m in args.methods.split(",") if m], args.seed, args.rows_to,
                  samples=args.samples,
                  token_budget=args.token_budget, max_length=args.max_length, buffer_size=args.buffer_size,

@@ -356,7 +356,7 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override (model type / JSON) or a keyword of the callable; repeatable")
     p.add_argument("--memory", required=True, help="the memory limit (24GiB, 800MB): of each shape's step, peak RSS on "
-                   "CPU, peak allocated on GPU; of the replay, peak RSS on CPU, peak reserved on GPU")
+                   "CPU, peak allocated on GPU; of the replay, peak RSS on CPU, peak reserved on GPU (capped at it)")
     p.add_argument("--max-length", type=at_least(1), required=True, help="the cut-off: the longest sample, in tokens")
     p.add_argument("--budget", choices=BUDGETS, default="padded", help="ODBConfig.budget (default padded)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when available")

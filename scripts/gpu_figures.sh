@@ -12,11 +12,13 @@
 #      padded trained with the default allocator at the padded budget it picks (its replay of 16 shapes
 #      back to back fits), then with expandable segments at the larger budget whose shapes fit one by
 #      one (on an H100 the default allocator ran out of memory at step 8 there: its cache fragments);
+#      both capped at tune's limit (--memory-limit), so a larger card answers for a card of that size;
 #   4. ODB packed under flex_attention, 2,048 samples (it compiles per shape, and padded groups
 #      have many shapes: ODB padded under flex ran at 0.25x packed on the H100), in the time left.
 # Each step has its own time limit; bench rows land in $OUT as each method finishes, so a
 # step cut off by its limit keeps what it finished. $OUT defaults to results/gpu.
 # GPU_FIGURES_DRY=1 runs the same steps at the tiny size on CPU (a check of this script).
+# GPU_FIGURES_TUNE_ONLY=1 runs steps 1 and 3 only (about 5 min: the tune replay's check on a card).
 set -uo pipefail
 STARTED=$(date +%s)
 OUT=${OUT:-results/gpu}
@@ -46,15 +48,16 @@ $PY -c "import sys, torch, transformers, pydantic; print(sys.version.split()[0],
   | tee -a "$OUT/gpu.txt"
 timeout 75 $PY -m pytest -q -s -p no:cacheprovider tests/test_pin_memory.py tests/test_packed_exactness.py \
   -k "accelerator or gpu" 2>&1 | grep -E "packed vs|passed|failed|skipped|Error" | tee -a "$OUT/gpu.txt"
+TUNE_ONLY=${GPU_FIGURES_TUNE_ONLY:-0}
 SECONDS=0
-timeout 225 $PY benchmarks/bench_gpu.py "${BENCH[@]}" --rows-to "$OUT/bench_rows.jsonl" --json \
+[[ $TUNE_ONLY == 1 ]] || timeout 225 $PY benchmarks/bench_gpu.py "${BENCH[@]}" --rows-to "$OUT/bench_rows.jsonl" --json \
   >"$OUT/bench_gpu.json" 2>>"$OUT/errors.txt"
-echo "bench_gpu: exit $? after $SECONDS s"
-$PY -c "import json, sys; sys.path.insert(0, 'benchmarks'); import bench_gpu
+echo "bench_gpu: exit $? after $SECONDS s$([[ $TUNE_ONLY == 1 ]] && echo ' (skipped)')"
+[[ $TUNE_ONLY == 1 ]] || $PY -c "import json, sys; sys.path.insert(0, 'benchmarks'); import bench_gpu
 print(bench_gpu.table(json.load(open(sys.argv[1]))))" "$OUT/bench_gpu.json" || cat "$OUT/bench_rows.jsonl"
 for budget in padded packed; do
   SECONDS=0
-  timeout 70 $PY -m odb_tools tune --model qwen2 "${TUNE[@]}" --budget "$budget" --json >"$OUT/tune_$budget.json" \
+  timeout "${TUNE_TIMEOUT:-70}" $PY -m odb_tools tune --model qwen2 "${TUNE[@]}" --budget "$budget" --json >"$OUT/tune_$budget.json" \
     2>>"$OUT/errors.txt"
   echo "odb tune --budget $budget: exit $? after $SECONDS s"
   $PY -c "import json, sys; r = json.load(open(sys.argv[1]))
@@ -66,17 +69,20 @@ for conf in default expandable_segments:True; do  # varying shapes fragment the 
   key=$([[ $conf == default ]] && echo token_budget || echo shapes_budget)
   budget=$($PY -c "import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$OUT/tune_padded.json" "$key")
   SECONDS=0; rows=$(wc -l <"$OUT/tuned_rows.jsonl")
-  env PYTORCH_CUDA_ALLOC_CONF="${conf/default/}" timeout 40 $PY benchmarks/bench_gpu.py "${TUNED[@]}" \
+  cap=$([[ ${GPU_FIGURES_DRY:-0} == 1 ]] || $PY -c "import json, sys; print('--memory-limit', json.load(open(sys.argv[1]))['limit_bytes'])" "$OUT/tune_padded.json")
+  env PYTORCH_CUDA_ALLOC_CONF="${conf/default/}" timeout 40 $PY benchmarks/bench_gpu.py "${TUNED[@]}" $cap \
     --token-budget "$budget" --methods odb --samples 1024 --rows-to "$OUT/tuned_rows.jsonl" >/dev/null 2>>"$OUT/errors.txt"
   echo "ODB padded at tune's $key $budget, allocator $conf: exit $? after $SECONDS s"
   [[ $(wc -l <"$OUT/tuned_rows.jsonl") -gt $rows ]] || { echo "no row: the run ended before its first row"; continue; }
   $PY -c "import json, sys; row = json.loads(open(sys.argv[1]).read().splitlines()[-1])
 limit, oom, peak = json.load(open(sys.argv[2]))['limit_bytes'], row['out_of_memory'], row['peak_memory_bytes']
-print(f'peak {peak:,} bytes, limit {limit:,}:', f'OUT OF MEMORY at step {oom[\"step\"]}, batch {oom[\"shape\"]}' if oom
-      else 'fits' if peak <= limit else 'OVER')" "$OUT/tuned_rows.jsonl" "$OUT/tune_padded.json"
+held = row['peak_reserved_bytes'] or peak  # what the card must have: the allocator's hold on a GPU
+print(f'peak allocated {peak:,} bytes, reserved {row[\"peak_reserved_bytes\"]}, limit {limit:,}:',
+      f'OUT OF MEMORY at step {oom[\"step\"]}, batch {oom[\"shape\"]}' if oom else 'fits' if held <= limit
+      else 'OVER')" "$OUT/tuned_rows.jsonl" "$OUT/tune_padded.json"
 done
 SECONDS=0; left=$((565 - $(date +%s) + STARTED))
-if ((left >= 30)); then
+if ((left >= 30 && TUNE_ONLY == 0)); then
   timeout "$((left < 90 ? left : 90))" $PY benchmarks/bench_gpu.py "${BENCH[@]}" "${FLEX[@]}" --methods odb_packed \
     --samples 2048 --rows-to "$OUT/bench_flex_rows.jsonl" >/dev/null 2>>"$OUT/errors.txt"
   echo "bench_gpu ${FLEX[*]}: exit $? after $SECONDS s"

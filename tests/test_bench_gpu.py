@@ -88,3 +88,8 @@ def test_without_a_standard_row_no_ratio_is_printed_and_one_sample_is_refused(ca
     with pytest.raises(SystemExit) as exit_:
         bench_gpu.main(["--size", "tiny", "--device", "cpu", "--samples", "1"])
     assert exit_.value.code == 2 and "at least 2" in capsys.readouterr().err
+
+
+def test_a_memory_cap_needs_a_gpu():
+    with pytest.raises(SystemExit, match="needs --device cuda"):
+        bench_gpu.main(["--memory-limit", "1000"])

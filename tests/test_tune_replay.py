@@ -11,6 +11,7 @@ replay (the seeded bug) does not."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,9 +21,9 @@ from hypothesis import strategies as st
 from tune_support import tiny_lm
 
 from odb_tools.tune import markdown, tune
-from odb_tools.tune.measure import Measurement
+from odb_tools.tune.measure import Measurement, capped_cuda, cuda_fraction
 from odb_tools.tune.replay import Replay, replay_shapes
-from odb_tools.tune.search import Search, find_budget, settle
+from odb_tools.tune.search import Search, allocator_setting, find_budget, settle
 from odb_tools.tune.shapes import worst_shapes
 
 
@@ -135,3 +136,57 @@ def test_no_replay_on_cpu_unless_asked_and_a_negative_count_is_refused():
     assert result["replay"] is None and result["token_budget"] == result["shapes_budget"] == 1984
     with pytest.raises(ValueError, match="replay steps"):
         tune(tiny_lm(), 1000, 64, replay_steps=-1, measure=measure)
+
+
+def _fake_card(monkeypatch: pytest.MonkeyPatch, total: int) -> list[tuple[float, int]]:
+    """torch.cuda's memory-fraction calls, recorded, on a card of ``total`` bytes (no GPU needed)."""
+    fractions: list[tuple[float, int]] = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i=None: fractions.append((f, i)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=total))
+    return fractions
+
+
+def test_a_gpu_replay_runs_with_the_allocator_capped_at_the_limit_and_uncapped_after(monkeypatch):
+    """Uncapped, a larger card's allocator keeps every freed block, so the replay's reserved peak
+    overstates what a card of the limit needs (on an H200, packed rows at L_max 11,264 held its
+    whole 142 GB and tune picked 6,144 where the capped replay fits 16,384). The seeded bug, an
+    uncapped replay, leaves the fraction unset while it runs."""
+    import odb_tools.tune.replay as replay_mod
+
+    fractions = _fake_card(monkeypatch, 4000)
+    in_force: list[list[tuple[float, int]]] = []
+
+    def peak_on_cuda(model, run, peak):
+        in_force.append(list(fractions))
+        return 900, None
+    monkeypatch.setattr(replay_mod, "peak_on_cuda", peak_on_cuda)
+    search = Search(torch.nn.Embedding(8, 2), 1000, "padded", 64, "cuda", "none", 8, replay_steps=4)
+    assert search.replay_fits(128)
+    assert in_force == [[(0.25, 0)]] and fractions == [(0.25, 0), (1.0, 0)]
+
+
+def test_the_cap_is_lifted_when_the_replay_raises_and_never_exceeds_the_card(monkeypatch):
+    fractions = _fake_card(monkeypatch, 4000)
+    with pytest.raises(RuntimeError, match="boom"), capped_cuda("cuda:0", 1000):
+        raise RuntimeError("boom")
+    with capped_cuda("cuda", 10_000):  # a limit above the card: the whole card
+        pass
+    assert fractions == [(0.25, 0), (1.0, 0), (1.0, 0), (1.0, 0)]
+    with pytest.raises(ValueError, match="must be positive"):
+        cuda_fraction("cuda", 0)
+
+
+def test_a_gpu_report_says_to_train_under_expandable_segments_unless_tune_ran_under_them(monkeypatch):
+    """On an H200 capped at 80 GiB, ODB padded at tune's 23,552 (its replay fit) ran out of memory
+    at step 9 with the default allocator and fit 46 steps with expandable segments."""
+    measure, replay = _fake(0.5, 1.0)
+    result = tune(tiny_lm(), 1000, 64, step=64, optimizer="none", measure=measure, replay_steps=4, replay=replay)
+    assert result["allocator"] is None and "PYTORCH_CUDA_ALLOC_CONF" not in markdown(result)  # CPU: no advice
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    result["allocator"] = allocator_setting("cuda")
+    assert result["allocator"] == "default"
+    assert "train with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in markdown(result)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    result["allocator"] = allocator_setting("cuda")
+    assert "train with" not in markdown(result)

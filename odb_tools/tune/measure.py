@@ -25,7 +25,8 @@ import os
 import resource
 import select
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -157,6 +158,31 @@ def peak_on_cuda(model: nn.Module, run: Callable[[], None], peak: Callable[[], i
         model.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def cuda_fraction(device: torch.device | str, limit: int) -> tuple[int, float]:
+    """(the device's index, ``limit`` as a fraction of its memory, at most 1) for
+    ``torch.cuda.set_per_process_memory_fraction``; ValueError for a limit that is not positive."""
+    if limit <= 0:
+        raise ValueError(f"a memory limit must be positive, got {limit}")
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return index, min(limit / torch.cuda.get_device_properties(index).total_memory, 1.0)
+
+
+@contextmanager
+def capped_cuda(device: torch.device | str, limit: int) -> Iterator[None]:
+    """Inside, the caching allocator on ``device`` holds at most ``limit`` bytes, as on a card of
+    that size: past it, it frees its cache and retries, and raises ``OutOfMemoryError`` only when
+    the blocks it holds cannot serve the request. Without a cap, it keeps a larger card's every
+    freed block, and ``max_memory_reserved`` overstates what a run needs (an H200 replaying packed
+    rows at L_max 11,264 held all its 142 GB). The card's whole memory is allowed again after."""
+    index, fraction = cuda_fraction(device, limit)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
 
 
 def _vm_hwm() -> int:

@@ -7,18 +7,20 @@ whose every worst shape fit 71 GiB ran out of memory at step 8 of training, with
 allocated. The replay runs ``steps`` shapes the budget admits (P3) in a seeded random order,
 the worst ones among them, with one optimizer whose state stays resident, and reports what the
 process held at its peak: ``torch.cuda.max_memory_reserved`` on a GPU (the allocator's hold on
-the device, which is what runs out), the forked child's peak RSS on a CPU.
+the device, which is what runs out; the allocator capped at the limit, as on a card of that size),
+the forked child's peak RSS on a CPU.
 """
 
 from __future__ import annotations
 
 import random
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from odb_tools.tune.measure import make_optimizer, peak_in_child, peak_on_cuda
+from odb_tools.tune.measure import capped_cuda, make_optimizer, peak_in_child, peak_on_cuda
 from odb_tools.tune.model import call_loss
 from odb_tools.tune.shapes import Shape, worst_shapes
 
@@ -81,10 +83,13 @@ def replay_cpu(model: nn.Module, token_budget: int, shapes: list[Shape], vocab_s
 
 
 def replay_cuda(model: nn.Module, token_budget: int, shapes: list[Shape], vocab_size: int,
-                optimizer: str = "none") -> Replay:
+                optimizer: str = "none", limit: int | None = None) -> Replay:
     """The replay in this process, from an emptied cache: ``torch.cuda.max_memory_reserved``;
-    ``torch.cuda.OutOfMemoryError`` is a replay that does not fit."""
+    ``torch.cuda.OutOfMemoryError`` is a replay that does not fit. With ``limit``, the allocator
+    is capped at it (:func:`capped_cuda`), so the replay fits a card of ``limit`` bytes or fails
+    as it would there, whatever the card it runs on."""
     device = str(next(model.parameters()).device)
-    peak, error = peak_on_cuda(model, lambda: run_steps(model, shapes, vocab_size, device, optimizer),
-                               torch.cuda.max_memory_reserved)
+    with capped_cuda(device, limit) if limit is not None else nullcontext():
+        peak, error = peak_on_cuda(model, lambda: run_steps(model, shapes, vocab_size, device, optimizer),
+                                   torch.cuda.max_memory_reserved)
     return Replay(token_budget, tuple(shapes), peak, error)

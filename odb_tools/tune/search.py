@@ -12,9 +12,11 @@ shapes back to back, as training meets them) and lowered until its replay fits t
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 from torch import nn
@@ -66,7 +68,7 @@ class Search:
         self.device, self.optimizer, self.max_shapes = device, optimizer, max_shapes
         self.vocab = vocab_of(model)
         self.measure = measure or (measure_cpu if device == "cpu" else measure_cuda)
-        self.replay = replay or (replay_cpu if device == "cpu" else replay_cuda)
+        self.replay = replay or (replay_cpu if device == "cpu" else partial(replay_cuda, limit=limit))
         self.replay_steps, self.seed = replay_steps, seed
         self.shapes: dict[Shape, Measurement] = {}
         self.budgets: dict[int, dict[str, Any]] = {}
@@ -175,7 +177,7 @@ def tune(model: nn.Module, limit: int, cutoff: int, budget: str = "padded", devi
     return {
         "token_budget": found, "next_budget": over or nxt, "shapes_budget": by_shape, "budget": budget,
         "max_length": cutoff, "device": device, "limit_bytes": limit, "baseline_bytes": baseline_bytes(device),
-        "optimizer": optimizer, "step": step,
+        "optimizer": optimizer, "step": step, "allocator": allocator_setting(device),
         "measure": "peak RSS of a forked child" if device == "cpu" else "torch.cuda.max_memory_allocated",
         "budgets": sorted(search.budgets.values(), key=lambda r: r["token_budget"]),
         "shapes": [{**asdict(m.shape), "tokens": m.shape.tokens, "peak_bytes": m.peak, "error": m.error}
@@ -184,11 +186,33 @@ def tune(model: nn.Module, limit: int, cutoff: int, budget: str = "padded", devi
     }
 
 
+EXPANDABLE = "expandable_segments:True"
+"""The CUDA allocator setting a GPU run at tune's budget needs (README "odb tune"): on an H200
+capped at 80 GiB, ODB padded at the 23,552 tokens whose 16-shape replay fit ran out of memory at
+step 9 with the default allocator, and trained 46 steps within the cap with this one."""
+
+
+def allocator_setting(device: str) -> str | None:
+    """``PYTORCH_CUDA_ALLOC_CONF`` as this process runs under it (``default`` when unset); None on CPU."""
+    return None if device == "cpu" else os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "default"
+
+
+def allocator_advice(result: dict[str, Any]) -> str | None:
+    """The line telling a GPU user to train under :data:`EXPANDABLE` unless tune already ran under it."""
+    setting = result.get("allocator")
+    if setting is None or EXPANDABLE in setting.replace(" ", ""):
+        return None
+    return (f"train with PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE}: under the {setting} allocator a run's changing "
+            "shapes fragment its cache, and a run at a budget whose replay fit ran out of memory (README "
+            "\"odb tune\")")
+
+
 def _replays(search: Search) -> dict[str, Any] | None:
     if not search.replay_steps:
         return None
     return {"steps": search.replay_steps, "seed": search.seed,
-            "measure": "peak RSS of a forked child" if search.device == "cpu" else "torch.cuda.max_memory_reserved",
+            "measure": "peak RSS of a forked child" if search.device == "cpu"
+            else "torch.cuda.max_memory_reserved, the allocator capped at the limit",
             "budgets": [{"token_budget": r.token_budget, "fits": search.replay_fits(r.token_budget),
                          "peak_bytes": r.peak, "error": r.error, "shapes": [s.label() for s in r.shapes]}
                         for r in sorted(search.replays.values(), key=lambda r: r.token_budget)]}
@@ -216,5 +240,7 @@ def markdown(result: dict[str, Any]) -> str:
                f"(lower --max-length, or raise the limit)")
     if result.get("shapes_budget") and result["shapes_budget"] != found:
         verdict += f" (its worst shapes one by one allow {result['shapes_budget']}; the replay does not fit there)"
+    advice = allocator_advice(result)
     return "\n".join([*lines, "", verdict, f"measured: {result['measure']} ({result['device']}, optimizer "
-                      f"{result['optimizer']}); baseline {_mib(result['baseline_bytes'])} MiB"])
+                      f"{result['optimizer']}); baseline {_mib(result['baseline_bytes'])} MiB",
+                      *([advice] if advice else [])])
