@@ -29,14 +29,14 @@ EXTRA_HUNTS = ("double-deal", "drop-last-claim", "local-quota")
 #: the property each mutant breaks, as :func:`violations` names them
 BREAKS = {
     "no-cmin": "capacity",
-    "max-groups": "P2",
+    "max-groups": "wire",  # a step vector longer than the round's target: the peers' decode refuses it
     "drop-overflow": "P1",
     "early-finish": "P4",
     "merge-overflow": "P3",
     "no-chain": "P5",
     "pack-overfill": "P3",
     "fill-no-fallback": "P6",
-    "split-dup": "P2",  # the twin is caught at the wire: a step vector emits more samples than its header holds
+    "split-dup": "wire",  # a step vector emits more samples than its header holds: the peers' decode refuses it
     "reemit": "P4",
     "double-deal": "P4",
     "drop-last-claim": "P4",
@@ -63,8 +63,10 @@ SEARCH = {
 def violations(case: Case) -> set[str]:
     """Names of the properties this simulated epoch violates.
 
-    ``P1`` partition at every round, ``P2`` equal item counts (a core that raises
-    on a peer's wrong-length vector counts as P2 caught at the wire), ``P6`` a logical
+    ``P1`` partition at every round, ``P2`` equal item counts, ``wire`` the core's own checks
+    of its peers' vectors raised a typed :class:`~odb_core.ODBError` (a wrong-length step
+    vector, more samples than a header holds: the epoch stops before a property can break,
+    so no property is observed), ``P6`` a logical
     iteration past the simulator's round bound (it would never end), ``P3``
     budget (the configured one: padded or packed), ``P4`` join coverage (each rank emits its
     views, and over all ranks every dataset index is emitted: a pool view dealt to two ranks
@@ -86,7 +88,7 @@ def violations(case: Case) -> set[str]:
     except RoundBoundError:
         return found | {"P6"}
     except ODBError:
-        return found | {"P2"}
+        return found | {"wire"}
     cfg = case.config
     rounds = [Counter((s.iteration, s.round) for s in steps) for steps in result.steps]
     if any(c != rounds[0] for c in rounds):

@@ -85,7 +85,7 @@ def check(
         and all(n == mutant_traces_each for n in conf["mutant_traces_found"].values())
         and conf["mutant_traces_wrong_reason"] == 0
         and conf["state_space_equal"] is not False
-        and (real is None or real["accepted"] == real["checked"])
+        and (real is None or (real["accepted"] == real["checked"] and not real["incomplete"]))
         and (reach is None or reach["ok"])
     )
     return {
@@ -217,21 +217,26 @@ def _conformance(picked: list[Any], traces: int, mutant_traces_each: int, say: _
 
 def replay_real_traces(directory: str) -> dict[str, Any]:
     """Merge and replay every run under ``directory`` (each subdirectory a scenario): counts
-    checked and accepted, per scenario, with the verdicts of rejected runs and the coverage."""
+    checked and accepted, per scenario, with the verdicts of rejected runs, the coverage, and
+    ``incomplete``: the runs (``scenario/run``) some rank of which never logged ``end`` (cut by
+    a fault), replayed up to the cut only, where no end-of-run property (Done, JoinCoverage,
+    QuotaClosure) applies; ``odb check`` fails on them."""
     from pathlib import Path
 
     root = Path(directory)
     by_scenario: dict[str, dict[str, int]] = {}
     traces = []
+    incomplete = []
     for folder in sorted({p.parent for p in root.rglob("*-rank*.jsonl")}):
         name = str(folder.relative_to(root)) if folder != root else "."
         merged = trace_validation.merge_directory(folder)
         traces.extend(merged)
+        incomplete += [f"{name}/{t.scenario.name}" for t in merged if not t.complete]
         by_scenario[name] = {"runs": len(merged)}
     verdicts = trace_validation.replay(traces) if traces else []
     names = [s for s, v in by_scenario.items() for _ in range(v["runs"])]
     for name, v in zip(names, verdicts):
         by_scenario[name]["accepted"] = by_scenario[name].get("accepted", 0) + int(v.accepted)
     return {"checked": len(traces), "accepted": sum(v.accepted for v in verdicts), "by_scenario": by_scenario,
-            "rejections": [v.describe() for v in verdicts if not v.accepted],
+            "rejections": [v.describe() for v in verdicts if not v.accepted], "incomplete": incomplete,
             "coverage": trace_validation.coverage_report(traces)["total"] if traces else {}}

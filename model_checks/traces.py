@@ -588,7 +588,7 @@ def _scan_rank(r: int, log: _RankLog, n_gathers: int, nv: int, stream: bool, poo
                 claimed.extend(_claim_range(r, ev, pool))
 
 
-def merge(logs: Sequence[Sequence[Mapping[str, Any]]], name: str = "run") -> Trace:
+def merge(logs: Sequence[Sequence[Mapping[str, Any]]], name: str = "run", statuses: bool = True) -> Trace:
     """One run's per-rank event logs (``EpochDriver(trace=...)``, see :mod:`odb_core.epoch`)
     as a spec trace: Init, then for each gather the local events (fetch, arrive) of every
     rank since the previous gather, rank by rank, each one spec step, then the gather step
@@ -601,7 +601,11 @@ def merge(logs: Sequence[Sequence[Mapping[str, Any]]], name: str = "run") -> Tra
     non-join runs with an unshuffled sampler). The trace is incomplete (``complete`` False:
     its last state need not be done) when some rank has no ``end`` event, unless the epoch
     was over before it began (quota 0); such a run is cut at the fewest gathers any rank
-    reached."""
+    reached; a rank may miss only the last gather another rank logged (a gather is collective).
+    Each rank's record of a gather must agree with the spec's state before it: its status is
+    the spec's Status (without a stream or a shared tail's pool; unless ``statuses`` is False:
+    a seeded bug's logs, to show TLC rejects their states without it), a round that emits
+    nothing yields nothing, and a chain reports the H the rank had."""
     first, split = _split_logs(logs)
     world = len(split)
     complete = all(x.ended for x in split)
@@ -609,6 +613,10 @@ def merge(logs: Sequence[Sequence[Mapping[str, Any]]], name: str = "run") -> Tra
     if complete and len(set(counts)) > 1:
         r = next(r for r in range(world) if counts[r] != counts[0])
         raise MergeError(f"rank {r} has {counts[r]} gathers, rank 0 has {counts[0]}")
+    if max(counts) - min(counts) > 1:  # a gather is collective: a rank cut by a fault misses at most the last one
+        lo, hi = counts.index(min(counts)), counts.index(max(counts))
+        raise MergeError(f"rank {hi} has {counts[hi]} gathers, rank {lo} only {counts[lo]}: every gather needs "
+                         "every rank, so a rank cut by a fault can miss only the last")
     n_gathers = min(counts)
     for g in range(n_gathers):
         for r in range(1, world):
@@ -619,6 +627,7 @@ def merge(logs: Sequence[Sequence[Mapping[str, Any]]], name: str = "run") -> Tra
     scenario, stream_ranks = _merged_scenario(first, split, n_gathers, name)
     quota = int(first.get("quota") or 0)
     run = _Behaviour(scenario, stream_ranks, done=not scenario.join and quota == 0)
+    run.statuses = statuses
     if run.done and all(c == 0 for c in counts):
         complete = True  # the epoch was over before it began: nothing to end
     for g in range(n_gathers + 1):
@@ -722,6 +731,8 @@ class _Behaviour:
         self.states: list[tuple[Value, ...]] = []
         self.packs: list[tuple[Value, ...]] = []
         self.actions: list[str] = []
+        self.scenario, self.statuses = s, True
+        self.gathers = 0
         self.push("Init")
 
     def push(self, action: str, pack: tuple[Value, ...] | None = None) -> None:
@@ -755,6 +766,7 @@ class _Behaviour:
         target, ended, done_after = int(recs[0]["target"]), bool(recs[0]["ended"]), bool(recs[0]["done"])
         pack = tuple(tuple(tuple(p + 1 for p in grp) for grp in rec.get("grouping") or []) for rec in recs)
         emitting = target > 0 and not (ended and not any(rec.get("out") for rec in recs))
+        self._check_records(recs, emitting, ended and not done_after)
         if emitting:
             for r, rec in enumerate(recs):
                 items = tuple(tuple(p + 1 for p in item) for item in rec.get("out") or [])
@@ -780,6 +792,28 @@ class _Behaviour:
                 self.pc += len(got)
         self.consumed, self.last_step, self.done = int(recs[0]["consumed"]), int(recs[0]["last_step"]), done_after
         self.push("Gather", pack)
+
+
+    def _check_records(self, recs: Sequence[Mapping[str, Any]], emitting: bool, chaining: bool) -> None:
+        """A :class:`MergeError` unless each rank's record of this gather agrees with the spec's
+        state before it: its status is the spec's Status(r), and a round that emits nothing (a
+        skip round, a chain, the end) yields nothing and, when it chains, reports the H it had."""
+        before = self.states[-1]
+        # the header's status is Status(r) but for a stream (its end is learned) and a pool (a
+        # pool hold reports a ready rank waiting: the spec's HeldStatus): there it is not compared
+        exact_status = not self.scenario.stream and not self.scenario.pool
+        for r, rec in enumerate(recs):
+            where = f"gather {self.gathers} (round {rec.get('round')!r}): rank {r}"
+            if self.statuses and exact_status and "status" in rec:
+                want = _status(self.scenario, before, r)
+                if rec["status"] != want:
+                    raise MergeError(f"{where} reports status {rec['status']!r}, the spec's Status is {want!r}")
+            if not emitting and any(rec.get("out") or []):
+                raise MergeError(f"{where} yields {rec.get('out')!r} at a round that emits nothing")
+            if chaining and {p + 1 for p in rec.get("held") or []} != set(before[_IX["H"]][r]):
+                raise MergeError(f"{where} reports {rec.get('held')!r} held back as its iteration ends, the "
+                                 f"spec's H {sorted(p - 1 for p in before[_IX['H']][r])}")
+        self.gathers += 1
 
 
 def read_logs(directory: str | Path) -> list[tuple[str, list[list[dict[str, Any]]]]]:
@@ -810,9 +844,9 @@ def write_logs(directory: str | Path, run: str, logs: Sequence[Sequence[Mapping[
     return paths
 
 
-def merge_directory(directory: str | Path) -> list[Trace]:
-    """Every run of ``directory`` (:func:`read_logs`) merged into a trace named after it."""
-    return [merge(logs, run) for run, logs in read_logs(directory)]
+def merge_directory(directory: str | Path, statuses: bool = True) -> list[Trace]:
+    """Every run of ``directory`` (:func:`read_logs`) merged into a trace named after it (``statuses``: :func:`merge`)."""
+    return [merge(logs, run, statuses) for run, logs in read_logs(directory)]
 
 
 def simulator_logs(s: Scenario, dataset: Sequence[int], schedule: str) -> list[list[dict[str, Any]]]:

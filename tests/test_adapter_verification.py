@@ -33,9 +33,10 @@ pytestmark = pytest.mark.timeout(300)
 )
 def test_real_traces_of_a_broken_epoch_loop_are_rejected(mutant, task, tmp_path):
     """A deliberately broken collate loop (a seeded bug of model_checks.mutants run by the real
-    collate processes of a W=2 Gloo run) writes traces that TLC rejects."""
+    collate processes of a W=2 Gloo run) writes traces that TLC rejects, on their states alone
+    (their ranks' reported statuses are not compared: merge's own check is not what catches them)."""
     run_ranks(2, {**task, "driver": mutant, "timeout": 20}, tmp_path, trace=True)
-    traces = merge_directory(tmp_path / "traces")
+    traces = merge_directory(tmp_path / "traces", statuses=False)
     assert traces, "the mutated run wrote no trace"
     verdicts = replay(traces)
     assert any(not v.accepted for v in verdicts), f"TLC accepted every trace of the {mutant} run"

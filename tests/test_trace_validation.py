@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -67,7 +68,7 @@ def test_merged_mutant_runs_are_the_recorded_traces():
     for mutant in set(conformance.TRACEABLE_MUTANTS) - {"drop-overflow"}:
         for k in range(20):
             s, data, schedule = conformance.random_scenario(rng, k, mutant)
-            merged = traces.merge(traces.simulator_logs(s, data, schedule))
+            merged = traces.merge(traces.simulator_logs(s, data, schedule), statuses=False)
             assert merged.states == conformance.record(s, data, schedule).states, (mutant, k)
 
 
@@ -135,6 +136,85 @@ def test_a_run_cut_by_a_fault_is_incomplete():
     merged = traces.merge(_cut(logs, 3))
     assert not merged.complete and not merged.states[-1][IX["done"]]
     assert traces.merge(logs).complete
+
+
+def test_a_rank_missing_more_than_the_last_gather_is_not_a_fault_cut():
+    """A gather needs every rank, so a rank cut by a fault misses at most the last gather a peer
+    logged; missing two, the logs cannot be one run (merged before as a cut run, and accepted)."""
+    _, logs = _join_logs()
+    gathers = [i for i, ev in enumerate(logs[1]) if ev["ev"] == "gather"]
+    one = [logs[0], logs[1][: gathers[-1]]]  # rank 1 cut in its last gather
+    assert not traces.merge(one).complete
+    two = [logs[0], logs[1][: gathers[-2]]]
+    with pytest.raises(traces.MergeError, match="rank 0 has .* gathers, rank 1 only .* can miss only the last"):
+        traces.merge(two)
+
+
+def _round_logs(want: str) -> list[list[dict]]:
+    """A padded run's logs with a gather that emits nothing (``skip``: T = 0 mid-run) or chains."""
+    rng = random.Random(f"rounds:{want}")
+    for k in range(3000):
+        s, data, schedule = conformance.random_scenario(rng, k)
+        if s.pool or s.stream:
+            continue
+        logs = traces.simulator_logs(s, data, schedule)
+        kinds = [(ev["target"], ev["ended"], ev["done"]) for ev in logs[0] if ev["ev"] == "gather"]
+        if want == "skip" and any(t == 0 and not e for t, e, _ in kinds):
+            return logs
+        if want == "chain" and any(e and not d for _, e, d in kinds):
+            return logs
+    raise AssertionError(f"no run has a {want} round")
+
+
+def _gather_where(logs: list[list[dict]], r: int, pick: Any) -> dict:
+    return next(ev for ev in logs[r] if ev["ev"] == "gather" and pick(ev))
+
+
+def test_a_round_that_emits_nothing_must_yield_nothing_and_a_chain_keeps_its_h():
+    """Seeded log bugs the merge ignored before (their traces were accepted, the same as the
+    clean run's): a step yielded at a skip round or at the gather that ends an iteration
+    (lockstep, P2), and a changed held-back set at a chain."""
+    for want, pick in (("skip", lambda ev: ev["target"] == 0 and not ev["ended"]),
+                       ("chain", lambda ev: ev["ended"] and not ev["done"])):
+        logs = _round_logs(want)
+        traces.merge(logs)  # clean
+        bad = copy.deepcopy(logs)
+        _gather_where(bad, 1, pick)["out"] = [[0]]
+        with pytest.raises(traces.MergeError, match=r"rank 1 yields \[\[0\]\] at a round that emits nothing"):
+            traces.merge(bad)
+    bad = copy.deepcopy(_round_logs("chain"))
+    ev = _gather_where(bad, 0, lambda ev: ev["ended"] and not ev["done"])
+    ev["held"] = sorted(set(ev["held"]) ^ {0})
+    with pytest.raises(traces.MergeError, match="held back as its iteration ends, the spec's H"):
+        traces.merge(bad)
+
+
+def test_a_status_the_spec_would_not_report_is_refused():
+    """The header's status drives the target (P2); a log whose rank reports another status than
+    the spec's Status in the merged state is not the run (accepted before: nothing read it)."""
+    _, logs = _join_logs()
+    traces.merge(logs)
+    for flip in range(len([ev for ev in logs[1] if ev["ev"] == "gather"])):
+        bad = copy.deepcopy(logs)
+        ev = [ev for ev in bad[1] if ev["ev"] == "gather"][flip]
+        ev["status"] = "waiting" if ev["status"] != "waiting" else "ready"
+        with pytest.raises(traces.MergeError, match=f"gather {flip} .*: rank 1 reports status"):
+            traces.merge(bad)
+
+
+def test_real_traces_report_their_cut_runs_and_odb_check_fails_on_them(tmp_path):
+    """A run with a rank that never logged ``end`` is replayed only up to the cut, where the
+    end-of-run checks (Done, JoinCoverage, QuotaClosure) do not apply: ``odb check
+    --real-traces`` names it and fails (it counted it accepted before)."""
+    from model_checks.report import replay_real_traces
+
+    _, logs = _join_logs()
+    traces.write_logs(tmp_path, "whole", logs)
+    assert replay_real_traces(str(tmp_path))["incomplete"] == []
+    gathers = [i for i, ev in enumerate(logs[1]) if ev["ev"] == "gather"]
+    traces.write_logs(tmp_path, "cut", [logs[0], logs[1][: gathers[-1]]])
+    got = replay_real_traces(str(tmp_path))
+    assert got["accepted"] == got["checked"] == 2 and got["incomplete"] == ["./cut"]
 
 
 # ---- coverage -------------------------------------------------------------------------------
@@ -250,7 +330,7 @@ def _mutant_run(mutant: str) -> Trace:
     rng = random.Random(f"mutant-run:{mutant}")
     for k in range(2000):
         s, data, schedule = conformance.random_scenario(rng, k, mutant)
-        bad = traces.merge(traces.simulator_logs(s, data, schedule), mutant)
+        bad = traces.merge(traces.simulator_logs(s, data, schedule), mutant, statuses=False)
         good = traces.merge(traces.simulator_logs(dataclasses.replace(s, mutant=None), data, schedule))
         if bad.states != good.states:
             return bad

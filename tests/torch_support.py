@@ -517,14 +517,19 @@ def check_linear_lr_by_samples(points: list[dict[str, Any]], lr: float, total: i
             f"is {lr * factor}")
 
 
-def check_real_traces(directory: Path, require: tuple[str, ...] = ("fetch", "drain", "gather")) -> dict[str, Any]:
+def check_real_traces(directory: Path, require: tuple[str, ...] = ("fetch", "drain", "gather"),
+                      cut: int | None = 0) -> dict[str, Any]:
     """Merge the per-rank trace logs a traced run wrote (``ODB_TRACE_DIR``) into spec
     behaviours and replay them with TLC, every invariant on every state; fail unless every
-    trace is accepted and the traces together exercise ``require``. Returns the coverage."""
+    trace is accepted, exactly ``cut`` runs (None: any number; a fault's) have a rank that
+    never logged ``end`` (stopped mid-epoch, replayed up to the cut) and the traces together
+    exercise ``require``. Returns the coverage."""
     from model_checks.traces import coverage_report, merge_directory, replay
 
     traces = merge_directory(directory)
     assert traces, f"no trace was written to {directory}"
+    stopped = [t.scenario.name for t in traces if not t.complete]
+    assert cut is None or len(stopped) == cut, f"{len(stopped)} runs some rank of which never logged 'end', not {cut}: {stopped}"
     verdicts = replay(traces)
     rejected = [v.describe() for v in verdicts if not v.accepted]
     assert not rejected, f"real-run traces rejected by TLC: {rejected}"
