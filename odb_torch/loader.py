@@ -569,9 +569,19 @@ class ODBDataLoader:
         close_at_exit(self)  # never let interpreter exit wait on the (non-daemon) collate process
 
     def __iter__(self) -> Iterator[Any]:
-        """Yield the epoch's batches. One live iterator per loader: a newer ``iter(loader)``
-        (or :meth:`close`) makes an older one raise :class:`LoaderStateError` on ``next()``, and so
-        does iterating another epoch than the one :meth:`load_state_dict` loaded (it would discard it)."""
+        """The epoch's batches. One live iterator per loader: a newer ``iter(loader)`` (at once,
+        before its first ``next()``) or :meth:`close` makes an older one raise
+        :class:`LoaderStateError` on ``next()``, and so does iterating another epoch than the one
+        :meth:`load_state_dict` loaded (it would discard it)."""
+        self._generation += 1
+        self._stale_reason = "it was superseded by a newer iter(loader) (one live iterator per loader)"
+        return self._epoch_batches(self._generation)
+
+    def _epoch_batches(self, generation: int) -> Iterator[Any]:
+        """:meth:`__iter__`'s iterator, ``generation`` its number (stale once the loader's moves on)."""
+        if self._generation != generation:
+            raise LoaderStateError(f"rank {self.rank}: next() on a stale loader iterator: {self._stale_reason}; "
+                                   "start a new `for batch in loader` loop", rank=self.rank)
         epoch = self.epoch
         check_resumed_epoch(None if self._resume is None else self._resume[0], epoch, self.rank)
         self._warn_repeated_epoch(epoch)
@@ -579,11 +589,11 @@ class ODBDataLoader:
             # the previous iteration was abandoned mid-epoch (break): the collate process
             # is still in that epoch and its queued batches are stale, so restart it; an
             # elastic share was served (or abandoned) once: a later pass runs the plain sampler
-            self.close()
+            self.close()  # marks every iterator stale: this one takes a new number
             self._elastic = None if self._resume is None else self._elastic
-        self._generation += 1
-        generation = self._generation
-        self._stale_reason = "it was superseded by a newer iter(loader) (one live iterator per loader)"
+            self._generation += 1
+            generation = self._generation
+            self._stale_reason = "it was superseded by a newer iter(loader) (one live iterator per loader)"
         if self._proc is None:
             self._start()
         elif not self._proc.is_alive():

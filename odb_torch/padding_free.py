@@ -41,12 +41,22 @@ MASKED_IMPLEMENTATIONS = frozenset({"eager", "sdpa", "flex_attention"})
 
 #: ``config.model_type`` of the architectures whose packed logits equal their sequences' alone
 #: (eager and sdpa, tiny configs, ``tests/test_packed_architectures.py``). Importing
-#: ``create_causal_mask`` is not enough: OPT, BioGPT, Falcon, MPT and Bloom call it without
-#: ``position_ids``, and hybrid models (Bamba, Jamba, LFM2) run recurrent or convolution
-#: layers across the whole row; all of those mix packed sequences.
+#: ``create_causal_mask`` is not enough: OPT, BioGPT, gpt_oss, afmoe, Falcon, MPT and Bloom call
+#: it without ``position_ids``; DeepSeek-V3.2's and GLM-DSA's sparse indexers pick keys across the
+#: row, Llama 4's NoPE layers scale queries by the row's index, Doge keeps the row's top keys;
+#: hybrid models (Bamba, Jamba, LFM2, Qwen3-Next) run recurrent or convolution layers across
+#: the whole row; all of those mix packed sequences.
 PACKED_MODEL_TYPES = frozenset({
-    "cohere", "gemma", "gemma2", "gemma3_text", "gpt2", "gpt_neox", "granite", "llama", "mistral", "mixtral",
-    "olmo", "olmo2", "phi", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "stablelm", "starcoder2",
+    "apertus", "arcee", "beam", "bitnet", "codegen", "cohere", "cohere2", "cohere2_moe", "ctrl", "cwm", "deepseek_v2",
+    "deepseek_v3", "diffllama", "dots1", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "flex_olmo", "flint",
+    "gemma", "gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite",
+    "gpt2", "gpt_bigcode", "gpt_neox", "gpt_neox_japanese", "gptj", "granite", "granite_swa", "granitemoe",
+    "granitemoe_swa", "granitemoeshared", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax",
+    "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1", "laguna", "llama", "longcat_flash", "mellum",
+    "mimo_v2_flash", "minicpm3", "minimax_m2", "ministral", "ministral3", "mistral", "mixtral", "modernbert-decoder",
+    "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "persimmon", "phi", "phi3", "phimoe", "qwen2",
+    "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma",
+    "youtu",
 })
 
 

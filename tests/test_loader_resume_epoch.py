@@ -93,3 +93,27 @@ def test_a_live_iterator_is_stale_after_load_state_dict_or_a_new_epoch(call):
             assert sorted(rest) == list(range(n)), "epoch 1 whole"
     finally:
         loader.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_new_iter_makes_the_older_iterator_stale_before_its_own_first_next():
+    """``iter(loader)`` supersedes the live iterator at once (it used to wait for the new one's
+    first ``next()``, so the old one went on yielding batches the new one then yielded again).
+    The new iterator then runs the epoch from its start: every sample once."""
+    n = 24
+    loader = ODBDataLoader(ToyDataset(n), token_budget=64, rank=0, world_size=1, num_workers=0, buffer_size=4)
+    try:
+        loader.set_epoch(0)
+        old = iter(loader)
+        next(old)
+        new = iter(loader)
+        with pytest.raises(LoaderStateError, match="superseded by a newer iter") as caught:
+            next(old)
+        assert caught.value.rank == 0
+        assert sorted(i for batch in new for i in _ids(batch)) == list(range(n))
+        unstarted, newest = iter(loader), iter(loader)
+        with pytest.raises(LoaderStateError, match="superseded"):
+            next(unstarted)  # superseded before it began
+        assert sorted(i for batch in newest for i in _ids(batch)) == list(range(n))
+    finally:
+        loader.close()
