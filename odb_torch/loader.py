@@ -361,6 +361,7 @@ class ODBDataLoader:
         self._slot: int | None = None  # the default-port slot its running collate process holds
         self._serial = 0  # epochs started by this loader (the same on every rank: names trace files)
         self._generation = 0  # bumped by every iter() and close(): older iterators are stale
+        self._running = 0  # the generation of the iterator that started last (its first next())
         self._stale_reason = ""
         self._elastic: ElasticEpoch | None = None  # this rank's share of an epoch resumed on another world size
         self._heard = False  # the current collate process has sent a message
@@ -399,10 +400,11 @@ class ODBDataLoader:
                 f"and state_dict() records epoch {epoch}"), stacklevel=3)
 
     def _invalidate(self, reason: str) -> None:
-        """Make a live iterator raise :class:`LoaderStateError` on its next ``next()``; the next
-        ``iter(loader)`` restarts the collate process (the epoch it was in is abandoned)."""
-        self._generation += 1
-        self._stale_reason = reason
+        """Make a live (started) iterator raise :class:`LoaderStateError` on its next ``next()``; the
+        next ``iter(loader)`` restarts the collate process (the epoch it was in is abandoned)."""
+        if self._running == self._generation:  # an iterator made but not started is not live yet
+            self._generation += 1
+            self._stale_reason = reason
 
     def state_dict(self, unconsumed: int = 0) -> dict[str, Any]:
         """The loader's position at the current step boundary (take it on every rank at the same step).
@@ -594,6 +596,7 @@ class ODBDataLoader:
             self._generation += 1
             generation = self._generation
             self._stale_reason = "it was superseded by a newer iter(loader) (one live iterator per loader)"
+        self._running = generation
         if self._proc is None:
             self._start()
         elif not self._proc.is_alive():

@@ -35,6 +35,12 @@ VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 #: implementations that read the boundaries from ``cu_seq_lens_*`` or ``position_ids`` themselves
 FLASH_IMPLEMENTATIONS = frozenset({"flash_attention_2", "flash_attention_3", "flash_attention_4"})
 
+#: accepted architectures whose own flash-attention code passes neither ``position_ids`` nor
+#: ``cu_seq_lens_*`` to the kernel (GPT-J's ``GPTJFlashAttention2``): one causal pass over the
+#: whole packed row; flash is refused for them (``tests/test_packed_architectures.py`` probes
+#: every accepted architecture's attention calls)
+FLASH_MIXING = frozenset({"gptj"})
+
 #: implementations whose mask ``transformers.masking_utils.create_causal_mask`` builds per
 #: sequence from restarting ``position_ids`` (only without a 2D attention mask and without a cache)
 MASKED_IMPLEMENTATIONS = frozenset({"eager", "sdpa", "flex_attention"})
@@ -197,6 +203,11 @@ def check_packed_attention(model: torch.nn.Module, device: str | torch.device | 
             f"{name} (model_type {kind!r}) with attn_implementation={impl!r}: not an architecture ODB has shown to "
             "keep packed sequences apart (some call the mask builder without position_ids, some run recurrent or "
             f"convolution layers across the row); verified: {', '.join(sorted(PACKED_MODEL_TYPES))}. Use "
+            "budget='padded'", model_class=name, attn_implementation=impl)
+    if impl in FLASH_IMPLEMENTATIONS and kind in FLASH_MIXING:
+        raise PackedAttentionError(
+            f"{name} with attn_implementation={impl!r}: its own flash-attention code passes neither position_ids "
+            "nor cu_seq_lens to the kernel, so packed sequences attend to each other; use 'sdpa' or 'eager', or "
             "budget='padded'", model_class=name, attn_implementation=impl)
     if impl in FLASH_IMPLEMENTATIONS:
         return impl

@@ -25,8 +25,11 @@ PART=${GPU_FIGURES_PART:-all}
 [[ $PART =~ ^(all|bench|tune)$ ]] || { echo "GPU_FIGURES_PART must be all, bench or tune, not $PART" >&2; exit 2; }
 OUT=${OUT:-results/gpu}
 mkdir -p "$OUT"
-: >"$OUT/gpu.txt"; : >"$OUT/errors.txt"; : >"$OUT/bench_rows.jsonl"; : >"$OUT/bench_flex_rows.jsonl"  # a rerun starts clean
-: >"$OUT/tuned_rows.jsonl"
+echo "== $(date -u +%FT%TZ) GPU_FIGURES_PART=$PART" >>"$OUT/gpu.txt"
+echo "== $(date -u +%FT%TZ) GPU_FIGURES_PART=$PART" >>"$OUT/errors.txt"
+# a rerun of a part starts its own files clean and keeps the other part's (the two parts may share $OUT)
+[[ $PART == tune ]] || { : >"$OUT/bench_rows.jsonl"; : >"$OUT/bench_flex_rows.jsonl"; }
+[[ $PART == bench ]] || : >"$OUT/tuned_rows.jsonl"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [[ ${GPU_FIGURES_DRY:-0} == 1 ]]; then
@@ -43,7 +46,7 @@ print(f'{min(80, int(0.9 * torch.cuda.get_device_properties(0).total_memory / 2*
     --set num_attention_heads=14 --set num_key_value_heads=2 --set tie_word_embeddings=true --device cuda
     --dtype bfloat16 --memory "$TUNE_MEMORY" --max-length 2048 --step 1024 --start 8192 --max-budget 131072)
   TUNED=(--size full --device cuda --max-length 2048)
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUT/gpu.txt"
 fi
 $PY -c "import sys, torch, transformers, pydantic; print(sys.version.split()[0], 'torch', torch.__version__,
   'transformers', transformers.__version__, 'pydantic', pydantic.__version__, 'cuda', torch.cuda.is_available())" \

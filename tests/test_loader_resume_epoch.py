@@ -117,3 +117,27 @@ def test_a_new_iter_makes_the_older_iterator_stale_before_its_own_first_next():
         assert sorted(i for batch in newest for i in _ids(batch)) == list(range(n))
     finally:
         loader.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("call", ["load_state_dict", "set_epoch"])
+def test_an_iterator_made_but_not_started_survives_load_state_dict_and_set_epoch(call):
+    """Only a started iterator goes stale on ``load_state_dict`` / ``set_epoch``: one made by
+    ``iter(loader)`` after a pass abandoned by ``break`` and not yet started runs what they set
+    (with an eager iter() it was made stale, where the same code after a completed pass ran)."""
+    n = 24
+    loader = ODBDataLoader(ToyDataset(n), token_budget=64, rank=0, world_size=1, num_workers=0, buffer_size=4)
+    try:
+        loader.set_epoch(0)
+        for _ in loader:
+            break  # abandoned mid-epoch
+        waiting = iter(loader)
+        if call == "load_state_dict":
+            loader.load_state_dict({"epoch": 0, "steps": 1, "consumed": [0], "rank": 0, "world_size": 1, "seed": 0})
+        else:
+            loader.set_epoch(1)
+        got = [i for batch in waiting for i in _ids(batch)]
+        want = n - 1 if call == "load_state_dict" else n  # the loaded position consumed one view
+        assert len(got) == len(set(got)) == want, got
+    finally:
+        loader.close()

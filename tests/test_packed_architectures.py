@@ -16,7 +16,7 @@ import torch
 
 from odb_core.errors import PackedAttentionError
 from odb_torch import check_packed_attention, packed_collate
-from odb_torch.padding_free import PACKED_MODEL_TYPES
+from odb_torch.padding_free import FLASH_MIXING, PACKED_MODEL_TYPES
 
 transformers = pytest.importorskip("transformers")
 
@@ -142,3 +142,56 @@ def test_an_architecture_that_mixes_packed_sequences_is_refused(model_type, impl
     with pytest.raises(PackedAttentionError, match=f"model_type '{model_type}'.*not an architecture") as err:
         check_packed_attention(model)
     assert (err.value.model_class, err.value.attn_implementation) == (type(model).__name__, impl)
+
+
+_SEEN: dict[str, int] = {}
+
+
+def _probe_attention(module, query, key, value, attention_mask, **kwargs):
+    """The module's own eager attention, counting the calls that carry a packed row's
+    boundaries (what a flash kernel reads)."""
+    import sys
+
+    _SEEN["calls"] = _SEEN.get("calls", 0) + 1
+    found = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("position_ids") is not None
+    _SEEN["bounded"] = _SEEN.get("bounded", 0) + int(found)
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    return eager(module, query, key, value, attention_mask, **kwargs)
+
+
+def _offers_flash(model_type: str) -> bool:
+    config = transformers.AutoConfig.for_model(model_type, **{**BASE, **EXTRA[model_type]})
+    cls = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    return bool(getattr(cls, "_supports_flash_attn", False) or getattr(cls, "_supports_flash_attn_2", False))
+
+
+@pytest.mark.parametrize("model_type", sorted(PACKED_MODEL_TYPES))
+def test_flash_is_accepted_only_where_the_row_boundaries_reach_the_attention_function(model_type):
+    """Flash kernels keep packed sequences apart only when the model hands them the row's
+    boundaries (``position_ids`` or ``cu_seq_lens_*``). Probed on CPU through transformers'
+    attention registry: every attention call of an accepted architecture that offers flash
+    carries them, except FLASH_MIXING's (GPT-J's own flash class never calls the registered
+    function, and passes neither: accepted under flash before, its packed rows mixed)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    if not _offers_flash(model_type):
+        return
+    AttentionInterface.register("odb_probe", _probe_attention)
+    AttentionMaskInterface.register("odb_probe", eager_mask)
+    model = build(model_type, "eager", EXTRA[model_type])
+    for module in model.modules():
+        if hasattr(getattr(module, "config", None), "_attn_implementation"):
+            module.config._attn_implementation = "odb_probe"
+    batch = packed_collate([{"input_ids": torch.arange(3, 3 + n)} for n in (7, 5, 9)])
+    _SEEN.clear()
+    with torch.no_grad():
+        model(**{k: v for k, v in batch.items() if k != "labels"})
+    reaches = _SEEN.get("calls", 0) > 0 and _SEEN["bounded"] == _SEEN["calls"]
+    assert reaches != (model_type in FLASH_MIXING), (model_type, _SEEN)
+    model.config._attn_implementation = "flash_attention_2"
+    if model_type in FLASH_MIXING:
+        with pytest.raises(PackedAttentionError, match="passes neither position_ids nor cu_seq_lens"):
+            check_packed_attention(model)
+    else:
+        assert check_packed_attention(model) == "flash_attention_2"

@@ -142,6 +142,8 @@ def _fake_card(monkeypatch: pytest.MonkeyPatch, total: int) -> list[tuple[float,
     """torch.cuda's memory-fraction calls, recorded, on a card of ``total`` bytes (no GPU needed)."""
     fractions: list[tuple[float, int]] = []
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i=None: fractions.append((f, i)))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction",
+                        lambda i=None: fractions[-1][0] if fractions else 1.0)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=total))
     return fractions
@@ -175,6 +177,12 @@ def test_the_cap_is_lifted_when_the_replay_raises_and_never_exceeds_the_card(mon
     assert fractions == [(0.25, 0), (1.0, 0), (1.0, 0), (1.0, 0)]
     with pytest.raises(ValueError, match="must be positive"):
         cuda_fraction("cuda", 0)
+    fractions.append((0.5, 0))  # the process's own cap: the tighter one holds inside, and comes back after
+    with capped_cuda("cuda", 3000):
+        pass
+    with capped_cuda("cuda", 1000):
+        pass
+    assert fractions[-4:] == [(0.5, 0), (0.5, 0), (0.25, 0), (0.5, 0)]
 
 
 def test_a_gpu_report_says_to_train_under_expandable_segments_unless_tune_ran_under_them(monkeypatch):
@@ -190,3 +198,6 @@ def test_a_gpu_report_says_to_train_under_expandable_segments_unless_tune_ran_un
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     result["allocator"] = allocator_setting("cuda")
     assert "train with" not in markdown(result)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")  # torch's newer name
+    assert allocator_setting("cuda") == "expandable_segments:True"

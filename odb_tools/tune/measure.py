@@ -176,13 +176,16 @@ def capped_cuda(device: torch.device | str, limit: int) -> Iterator[None]:
     that size: past it, it frees its cache and retries, and raises ``OutOfMemoryError`` only when
     the blocks it holds cannot serve the request. Without a cap, it keeps a larger card's every
     freed block, and ``max_memory_reserved`` overstates what a run needs (an H200 replaying packed
-    rows at L_max 11,264 held all its 142 GB). The card's whole memory is allowed again after."""
+    rows at L_max 11,264 held all its 142 GB). A cap the process already had stays the tighter
+    one inside, and is restored after."""
     index, fraction = cuda_fraction(device, limit)
-    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    current = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.8
+    before = float(current(index)) if current is not None else 1.0
+    torch.cuda.set_per_process_memory_fraction(min(fraction, before), index)
     try:
         yield
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, index)
+        torch.cuda.set_per_process_memory_fraction(before, index)
 
 
 def _vm_hwm() -> int:

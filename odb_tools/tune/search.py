@@ -193,8 +193,11 @@ step 9 with the default allocator, and trained 46 steps within the cap with this
 
 
 def allocator_setting(device: str) -> str | None:
-    """``PYTORCH_CUDA_ALLOC_CONF`` as this process runs under it (``default`` when unset); None on CPU."""
-    return None if device == "cpu" else os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "default"
+    """The allocator settings this process runs under (``PYTORCH_ALLOC_CONF``, else the older
+    ``PYTORCH_CUDA_ALLOC_CONF``; ``default`` when neither is set); None on CPU."""
+    if device == "cpu":
+        return None
+    return os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "default"
 
 
 def allocator_advice(result: dict[str, Any]) -> str | None:
