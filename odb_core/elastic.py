@@ -451,10 +451,14 @@ def tail_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], shared_t
 def typed_state_errors(rank: int) -> Iterator[None]:
     """Reading a loader state: a malformed one (a missing key, a value of the wrong type or
     shape) is a :class:`ResumeStateError` naming the missing key (``field``) or ``"state"``,
-    never a bare ``KeyError``/``TypeError``/``ValueError``; ODB's own typed errors go on as they are."""
+    never a bare ``KeyError``/``TypeError``/``ValueError``; ODB's own typed errors go on, with
+    ``rank`` (and a ``rank N:`` prefix) where they named none (a check of every rank's states)."""
     try:
         yield
-    except ODBError:
+    except ODBError as exc:
+        if exc.rank is None:
+            exc.rank = rank
+            exc.args = (f"rank {rank}: {exc.args[0] if exc.args else ''}", *exc.args[1:])
         raise
     except KeyError as exc:
         key = str(exc.args[0]) if exc.args else ""

@@ -7,7 +7,8 @@ detection, the ``skip_idle`` end of a rank's loop, and the resume skip. All of t
 decisions live here, once; the simulator, the conformance harness and the torch
 collate process drive this class and only move data. The caller loops::
 
-    hello = driver.hello(facts)          # all_gather it, then driver.check_hello(gathered)
+    hello = driver.hello(facts)          # all_gather hello_header(hello), check_hello_header, then
+                                         # all_gather hello itself and driver.check_hello(gathered)
     while not driver.done:
         if (e := driver.sampler_epoch) is not None:
             driver.start_iteration(sampler_order_of_epoch(e))
@@ -193,6 +194,27 @@ class EpochDriver:
         values += [facts[k] for k in sorted(facts)]
         self._hello_values = values
         return [HELLO_MAGIC, len(values), self.epoch, *(_digest(v) for v in values)]
+
+    @staticmethod
+    def hello_header(vector: Sequence[int]) -> list[int]:
+        """The fixed-size head of a :meth:`hello` vector (its magic and its length): gathered first,
+        so ranks whose vectors differ in length (another ODB version, or a stream on one rank and
+        a map-style dataset on another: other facts) get a typed error, not a collective of
+        mismatched sizes."""
+        return [int(vector[0]), int(vector[1])]
+
+    def check_hello_header(self, gathered: Sequence[Sequence[int]]) -> None:
+        """:class:`ConfigMismatchError` (``field="version"``, the same verdict on every rank) unless
+        every rank's :meth:`hello_header` is this rank's."""
+        mine = [int(v) for v in gathered[self.rank]]
+        differ = [r for r, v in enumerate(gathered) if [int(x) for x in v] != mine]
+        if differ:
+            r = differ[0]
+            other = [int(x) for x in gathered[r]]
+            raise ConfigMismatchError(
+                f"rank {self.rank}: rank {r} runs another ODB handshake ({other} vs {mine}: magic and length): "
+                "another ODB version, or a stream (IterableDataset) on one rank and a map-style dataset on another",
+                rank=self.rank, field="version", ranks=differ)
 
     def check_hello(self, gathered: Sequence[Sequence[int]]) -> None:
         """Raise :class:`ConfigMismatchError` (the same verdict on every rank) if any rank's

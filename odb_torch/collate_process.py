@@ -272,7 +272,8 @@ def sampler_facts(sampler: Any, dataset: Any) -> dict[str, object]:
     """What every rank's sampler and dataset must agree on (compared by the handshake)."""
     return {"dataset_size": len(dataset), "sampler": type(sampler).__name__,
             "sampler_seed": getattr(sampler, "seed", None), "sampler_shuffle": getattr(sampler, "shuffle", None),
-            "sampler_replicas": getattr(sampler, "num_replicas", None)}
+            "sampler_replicas": getattr(sampler, "num_replicas", None),
+            "sampler_drop_last": getattr(sampler, "drop_last", None)}
 
 
 class CollateServer:
@@ -289,6 +290,7 @@ class CollateServer:
         self._ahead: dict[int, tuple[Any, tuple[int, int]]] = {}  # loaded, not yet fetched (still in R)
         self._template: Any = None  # a sample of this rank, collated for idle items (see _offer_template)
         self._template_length = 0
+        self._template_index = 0  # the template's dataset index (named when collate_fn fails on it)
         self._loading: Iterator[Any] | None = None  # the current iteration's loads (owns the workers)
         self._driver: EpochDriver | None = None
         self._prepared: tuple[StartEpoch, EpochDriver] | None = None  # an epoch started before its handshake
@@ -424,9 +426,11 @@ class CollateServer:
     def _handshake(self, driver: EpochDriver, facts: dict[str, object]) -> None:
         """The epoch's handshake: a typed error unless every rank runs the same protocol fields
         and ``facts`` (P8). Once gathered, every rank got this far: serve's start-up watchdog ends."""
-        gathered = self._gather(driver.hello(facts), "handshake")
+        vector = driver.hello(facts)
+        heads = self._gather(driver.hello_header(vector), "handshake")  # fixed size: lengths may differ
         faulthandler.cancel_dump_traceback_later()
-        driver.check_hello(gathered)
+        driver.check_hello_header(heads)
+        driver.check_hello(self._gather(vector, "handshake"))
 
     def _rounds(self, driver: EpochDriver) -> bool:
         """The epoch's rounds; True if this rank's loop already got its :class:`EpochEnd`."""
@@ -521,7 +525,7 @@ class CollateServer:
                 sample, (length, tokens) = self._ahead.pop(pos)
                 driver.arrive(pos, length, tokens)
                 samples[pos] = sample
-                self._offer_template(sample, length)
+                self._offer_template(sample, length, driver.protocol.views[pos] if driver.protocol is not None else pos)
             if not driver.needs_arrivals():
                 return
             chunk = next(loads, None)
@@ -531,12 +535,12 @@ class CollateServer:
             for pos, sample, measure in chunk:
                 self._ahead[pos] = (sample, measure)
 
-    def _offer_template(self, sample: Any, length: int) -> None:
-        """Keep ``sample`` as the idle items' template if it is the rank's first, or its first
-        non-empty one: an idle batch then has the shape of real data, not ``[1, 0]``, which
-        many models cannot run (its loss is scaled by 0 either way, P7)."""
+    def _offer_template(self, sample: Any, length: int, identity: int) -> None:
+        """Keep ``sample`` (dataset index ``identity``) as the idle items' template if it is the
+        rank's first, or its first non-empty one: an idle batch then has the shape of real data,
+        not ``[1, 0]``, which many models cannot run (its loss is scaled by 0 either way, P7)."""
         if self._template is None or (self._template_length == 0 and length > 0):
-            self._template, self._template_length = sample, length
+            self._template, self._template_length, self._template_index = sample, length, identity
 
     def _loads(self, views: list[int], positions: range,
                in_process: bool = False) -> Iterator[list[tuple[int, Any, tuple[int, int]]]]:
@@ -612,15 +616,17 @@ class CollateServer:
         s = item.step
         if s.is_idle:
             if self._template is None:
-                self._template = spec.dataset[0]
+                self._template, self._template_index = spec.dataset[0], 0
             group = [self._template]
         else:
             group = [samples.pop(p) for p in s.positions]
         try:
             batch = spec.collate_fn(group)
         except Exception as exc:
-            raise CollateFnError(f"rank {spec.rank}: collate_fn failed on dataset indices {list(s.identities)}: "
-                                 f"{type(exc).__name__}: {exc}", rank=spec.rank, indices=s.identities) from None
+            named = (self._template_index,) if s.is_idle else s.identities
+            what = f"an idle step's template, dataset index {named[0]}" if s.is_idle else f"dataset indices {list(named)}"
+            raise CollateFnError(f"rank {spec.rank}: collate_fn failed on {what}: {type(exc).__name__}: {exc}",
+                                 rank=spec.rank, indices=named) from None
         info = StepInfo(
             epoch=driver.epoch, step=item.number, round=s.round, is_idle=s.is_idle, local_samples=s.local_samples,
             global_samples=s.global_samples, local_tokens=s.local_tokens, global_tokens=s.global_tokens,

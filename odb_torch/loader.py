@@ -61,6 +61,7 @@ from odb_torch.elastic import (
 from odb_torch.inbox import Inbox
 from odb_torch.loader_options import (
     CONFIG_DEFAULT,
+    check_rank_sampler,
     collate_rendezvous,
     free_port_slot,
     protocol_config,
@@ -311,6 +312,7 @@ class ODBDataLoader:
                                           "dataset's is its index", field="element_id", rank=rank)
         self.sampler: Any = StreamSampler(idle_sample, element_id) if stream else sampler if sampler is not None else \
             DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
+        check_rank_sampler(self.sampler, rank, world_size)
         if self.config.shared_tail:  # the pool is cut from the sampler's global order
             check_tail_sampler(self.sampler, rank, world_size)
         if loss_tokens_fn is None and collate_fn is packed_collate:  # its rows count no first label (P7)

@@ -14,7 +14,7 @@ import warnings
 from typing import Any
 
 from odb_core import ODBConfig
-from odb_core.errors import ODBWarning
+from odb_core.errors import ODBWarning, UnsupportedSettingError
 from odb_torch.ports import free_port
 
 
@@ -81,6 +81,29 @@ def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if world_size is None:
         world_size = dist.get_world_size() if live else int(os.environ.get("WORLD_SIZE", 1))
     return rank, world_size
+
+
+def check_rank_sampler(sampler: Any, rank: int, world: int) -> None:
+    """A user's sampler that shards by rank (``num_replicas`` and ``rank``, as ``DistributedSampler``)
+    must be this rank's shard of this world: one built for another rank repeats that rank's views and
+    leaves this rank's untrained, one for another world size repeats or drops views (P4):
+    :class:`UnsupportedSettingError` (``field="sampler"``). ``num_replicas=1`` (each rank its whole,
+    own dataset: pre-sharded data) is allowed, with an :class:`ODBWarning` at a world of 2 or more."""
+    replicas, its_rank = getattr(sampler, "num_replicas", None), getattr(sampler, "rank", None)
+    if not isinstance(replicas, int) or not isinstance(its_rank, int) or (replicas, its_rank) == (world, rank):
+        return
+    if replicas == 1 and its_rank == 0:
+        if world > 1:
+            warnings.warn(ODBWarning(
+                f"rank {rank}: the sampler ({type(sampler).__name__}) has num_replicas=1: this rank iterates its whole "
+                f"dataset, right when each rank loads its own data, wrong for one dataset shared by the {world} ranks "
+                "(every sample trained on every rank): build it with num_replicas=world_size, rank=rank"),
+                stacklevel=3)
+        return
+    raise UnsupportedSettingError(
+        f"rank {rank}: the sampler ({type(sampler).__name__}) was built for rank {its_rank} of {replicas}, this loader "
+        f"is rank {rank} of {world}: its views would repeat another rank's and leave this rank's untrained; build it "
+        "with num_replicas=world_size, rank=rank (or leave sampler= out)", field="sampler", rank=rank)
 
 
 def collate_rendezvous(init_method: str | None, world_size: int, slot: int = 0) -> str:

@@ -62,6 +62,11 @@ def test_real_non_join_run_that_chains_iterations_is_a_spec_behaviour(tmp_path):
         ({"1": {"buffer": 8}}, "buffer_size"),
         ({"1": {"budget": "packed"}}, "budget"),
         ({"1": {"mode": "non-join"}}, "mode"),
+        # a user's DistributedSampler per rank: one drops the uneven tail, the other pads it (a view
+        # lost or repeated; accepted before)
+        ({"0": {"drop_last": False}, "1": {"drop_last": True}}, "sampler_drop_last"),
+        # a stream on one rank: a longer handshake vector than the other's (a gloo abort before)
+        ({"0": {"stream": True}}, "a stream (IterableDataset) on one rank"),
     ],
 )
 def test_ranks_that_disagree_get_a_typed_error_naming_the_field(per_rank, field, tmp_path):

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from odb_torch import ODBDataLoader, pad_collate
 from odb_torch.ports import await_listener
@@ -103,9 +103,33 @@ def _tail_options(task: dict[str, Any]) -> dict[str, Any]:
     return {k: task[k] for k in ("shared_tail", "reserve_divisor") if k in task}
 
 
+class ToyStream(IterableDataset):  # type: ignore[type-arg]
+    """ToyDataset's samples as a stream (an IterableDataset: the loader reads it in order)."""
+
+    def __init__(self, n: int) -> None:
+        self.toy = ToyDataset(n)
+
+    def __iter__(self) -> Any:
+        return (self.toy[i] for i in range(len(self.toy)))
+
+
+def _sampler(task: dict[str, Any], dataset: Any, rank: int) -> Any:
+    """The task's own sampler: its fixed shard, or a DistributedSampler with its ``drop_last``; None: the loader's."""
+    if "shards" in task:
+        return ShardSampler(task["shards"][rank])
+    if "drop_last" in task:
+        from torch.utils.data import DistributedSampler
+
+        return DistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=rank, seed=task.get("seed", 0),
+                                  drop_last=task["drop_last"])
+    return None
+
+
 def build_loader(task: dict[str, Any], rank: int, port: int) -> tuple[ODBDataLoader, Any]:
-    """The task's loader over its ToyDataset, and a factory of the same loader class for a resume."""
-    dataset = ToyDataset(task["n"], {int(k): v for k, v in task.get("fail", {}).items()}, task.get("length"))
+    """The task's loader over its ToyDataset (or its stream), and a factory of the same loader class for a resume."""
+    dataset: Any = ToyDataset(task["n"], {int(k): v for k, v in task.get("fail", {}).items()}, task.get("length"))
+    if task.get("stream"):
+        dataset = ToyStream(task["n"])
     collate = {"failing": failing_collate, "tuple": tuple_collate, "tensor": tensor_collate}.get(
         task.get("collate", ""), pad_collate)
     loader_cls = ODBDataLoader
@@ -118,7 +142,7 @@ def build_loader(task: dict[str, Any], rank: int, port: int) -> tuple[ODBDataLoa
                         num_workers=task.get("workers", 0), seed=task.get("seed", 0),
                         init_method=f"tcp://127.0.0.1:{port + 1}", timeout=task.get("timeout", 60),
                         start_method=task.get("start_method", "auto"), mode=task.get("mode", "join"),
-                        sampler=ShardSampler(task["shards"][rank]) if "shards" in task else None,
+                        sampler=_sampler(task, dataset, rank),
                         skip_idle=task.get("skip_idle", False), shuffle=task.get("shuffle", True),
                         target_policy=task.get("target_policy", "balanced"),
                         queue_size=task.get("queue_size", 8), **_tail_options(task))

@@ -1,0 +1,91 @@
+"""Errors that name the rank, the sample and the cause (found by a review of ranks that disagree
+or fail): a user's sampler built for another rank or world size is refused before it repeats
+or loses views (P4); ``collate_fn`` failing on an idle step's template names that sample; a
+check of every rank's merged states carries the loading rank."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+from torch_support import ToyDataset, fork_two_ranks
+
+from odb_core.elastic import typed_state_errors
+from odb_core.errors import CollateFnError, ODBWarning, ResumeStateError, UnsupportedSettingError
+from odb_torch import ODBDataLoader, pad_collate
+
+
+def _loader(sampler: object, rank: int = 0, world: int = 2) -> ODBDataLoader:
+    return ODBDataLoader(ToyDataset(20), token_budget=64, rank=rank, world_size=world, sampler=sampler, num_workers=0)
+
+
+@pytest.mark.parametrize(("replicas", "its_rank"), [(2, 1), (4, 0), (3, 2)])
+def test_a_sampler_built_for_another_rank_or_world_is_refused(replicas, its_rank):
+    """Two ranks with ``DistributedSampler(rank=0)`` each trained rank 0's views twice and rank
+    1's never, with no error; a sampler of another world size repeats or drops views."""
+    with pytest.raises(UnsupportedSettingError) as err:
+        _loader(DistributedSampler(ToyDataset(20), num_replicas=replicas, rank=its_rank))
+    assert (err.value.field, err.value.rank) == ("sampler", 0)
+    assert f"built for rank {its_rank} of {replicas}" in str(err.value)
+
+
+def test_this_ranks_own_shard_passes_and_a_whole_dataset_sampler_warns():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _loader(DistributedSampler(ToyDataset(20), num_replicas=2, rank=1), rank=1).close()
+        _loader(DistributedSampler(ToyDataset(20), num_replicas=1, rank=0), world=1).close()
+    with pytest.warns(ODBWarning, match="num_replicas=1: this rank iterates its whole dataset"):
+        _loader(DistributedSampler(ToyDataset(20), num_replicas=1, rank=0)).close()
+
+
+def test_a_check_of_every_ranks_states_names_the_loading_rank():
+    with pytest.raises(ResumeStateError) as err, typed_state_errors(2):
+        raise ResumeStateError("ranks [1] have another steps than the others (5)", field="steps")
+    assert err.value.rank == 2 and str(err.value).startswith("rank 2: ranks [1]")
+    with pytest.raises(ResumeStateError) as kept, typed_state_errors(2):
+        raise ResumeStateError("rank 0: its own", field="steps", rank=0)
+    assert kept.value.rank == 0 and str(kept.value) == "rank 0: its own"
+
+
+class _Uneven(ToyDataset):
+    """Rank 0's samples (even indices) 40 tokens, rank 1's 2: rank 1 runs out first and idles."""
+
+    def __getitem__(self, i: int) -> dict[str, object]:
+        return {"input_ids": torch.arange(40 if i % 2 == 0 else 2), "idx": i}
+
+
+def _idle_rank(rank: int, port: int, out: str) -> None:
+    result: dict[str, object] = {}
+    seen: set[object] = set()
+
+    def collate(batch: list[dict[str, object]]) -> dict[str, object]:
+        ids = [s["idx"] for s in batch]
+        if rank == 1 and seen.intersection(ids):  # a sample collated again: the idle step's template
+            raise RuntimeError(f"cannot collate {ids}")
+        seen.update(ids)
+        return pad_collate(batch)
+
+    try:
+        with ODBDataLoader(_Uneven(16), token_budget=64, buffer_size=4, rank=rank, world_size=2, num_workers=0,
+                           shuffle=False, timeout=20, collate_fn=collate,
+                           init_method=f"tcp://127.0.0.1:{port}") as loader:
+            loader.set_epoch(0)
+            result["steps"] = sum(1 for _ in loader)
+    except Exception as exc:
+        result.update(error=type(exc).__name__, message=str(exc), indices=list(getattr(exc, "indices", ())))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.timeout(120)
+def test_collate_fn_failing_on_an_idle_steps_template_names_that_sample(tmp_path):
+    """An idle step collates the rank's template sample (its loss scaled by 0); when collate_fn
+    fails there, the error named ``dataset indices []`` and carried none."""
+    fork_two_ranks(_idle_rank, tmp_path)
+    rank1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert rank1.get("error") == CollateFnError.__name__, rank1
+    assert "an idle step's template, dataset index" in rank1["message"], rank1
+    assert len(rank1["indices"]) == 1 and rank1["indices"][0] % 2 == 1, rank1  # one of rank 1's own samples
