@@ -107,7 +107,13 @@ class DescriptorLimitError(CollateProcessError):
 
 
 class PeerError(ODBError):
-    """A collective of the collate group failed: a peer rank died, or a straggler exceeded the timeout."""
+    """A collective of the collate group failed: a peer rank died, or a straggler exceeded the
+    timeout. ``ranks``: the peers that reported a failure of their own before (their error named
+    in the message); empty when none could (a peer killed, or rank 0's store gone with it)."""
+
+    def __init__(self, message: str = "", *, rank: int | None = None, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message, rank=rank)
+        self.ranks = tuple(ranks)
 
 
 class LossTokenMismatchError(ODBError, ValueError):

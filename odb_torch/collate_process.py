@@ -208,6 +208,8 @@ class _ViewDataset(Dataset):  # type: ignore[type-arg]
 
 START_KEY = "odb/start"
 """The store key holding the start it serves (:attr:`CollateSpec.start`), set by rank 0."""
+FAILED_KEY = "odb/failed"
+"""The store keys (``odb/failed/<rank>``) where a failing rank reports its error to its peers."""
 
 
 def _collate_group(spec: CollateSpec) -> tuple[Any, Any]:
@@ -285,6 +287,7 @@ class CollateServer:
         self.rendezvous = rendezvous or Rendezvous()  # the trainer reads it at close()
         self.parent = os.getppid()
         self.pg: Any = None
+        self.store: Any = None  # the collate group's store: a failing rank reports its error there
         self.trace_dir = os.environ.get(TRACE_ENV) or None
         self._trace_file: Any = None
         self._ahead: dict[int, tuple[Any, tuple[int, int]]] = {}  # loaded, not yet fetched (still in R)
@@ -323,6 +326,7 @@ class CollateServer:
         try:
             with self.rendezvous.inside():
                 store, self.pg = _collate_group(spec)
+                self.store = store
         except Exception as exc:
             self._close_loading()
             in_use = "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower()
@@ -345,7 +349,7 @@ class CollateServer:
             self._fail(exc)
         finally:
             self._close_trace()
-            self.pg = None
+            self.pg = self.store = None
             del store  # the collate group's store lives exactly as long as the loop
             # the loop ends on Stop or with the trainer gone: nobody reads the queue any more,
             # so this process's exit must not wait for its feeder thread to flush (see collate_main)
@@ -389,6 +393,8 @@ class CollateServer:
 
     def _fail(self, exc: BaseException) -> None:
         error = self._as_error(exc)
+        if not isinstance(error, PeerError):  # this rank's own failure: its peers' PeerError names it
+            self._report_failure(error)
         if exc.__traceback__ is not None:  # drop the frames' locals: the DataLoader iterator among them
             traceback.clear_frames(exc.__traceback__)
         self._close_loading()  # shut the DataLoader workers down now (a stuck one included)
@@ -663,9 +669,37 @@ class CollateServer:
         try:
             self.pg.allgather([list(rows.unbind(0))], [mine]).wait()
         except Exception as exc:  # gloo raises RuntimeError subclasses on peer death and timeouts
-            raise PeerError(f"rank {self.spec.rank}: the {what} all_gather of the collate group failed "
-                            f"(a peer rank died or exceeded the timeout): {exc}", rank=self.spec.rank) from None
+            reports = self._peer_reports()
+            cause = "; ".join(f"rank {r} failed: {m}" for r, m in reports.items()) or \
+                "a peer rank died or exceeded the timeout"
+            raise PeerError(f"rank {self.spec.rank}: the {what} all_gather of the collate group failed ({cause}): "
+                            f"{exc}", rank=self.spec.rank, ranks=sorted(reports)) from None
         return rows
+
+    def _report_failure(self, error: BaseException) -> None:
+        """Put this rank's error (its type and first line) in the collate group's store, for the
+        peers whose gather fails when this rank leaves (best effort: the store may be gone)."""
+        if self.store is None:
+            return
+        first = (str(error).splitlines() or [""])[0][:300]
+        try:
+            self.store.set(f"{FAILED_KEY}/{self.spec.rank}", f"{type(error).__name__}: {first}")
+        except Exception:  # noqa: S110 - rank 0's store gone: the peers say what they saw
+            pass
+
+    def _peer_reports(self) -> dict[int, str]:
+        """The failures the peers reported in the store (:meth:`_report_failure`), by rank."""
+        found: dict[int, str] = {}
+        if self.store is None:
+            return found
+        for r in range(self.spec.world):
+            key = f"{FAILED_KEY}/{r}"
+            try:
+                if r != self.spec.rank and self.store.check([key]):
+                    found[r] = self.store.get(key).decode()
+            except Exception:  # the store left with rank 0: nothing more to read
+                break
+        return found
 
     def _encode(self, item: Reply) -> bytes:
         """``item`` pickled now: a batch that cannot be pickled is a :class:`CollateFnError`

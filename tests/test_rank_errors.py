@@ -89,3 +89,36 @@ def test_collate_fn_failing_on_an_idle_steps_template_names_that_sample(tmp_path
     assert rank1.get("error") == CollateFnError.__name__, rank1
     assert "an idle step's template, dataset index" in rank1["message"], rank1
     assert len(rank1["indices"]) == 1 and rank1["indices"][0] % 2 == 1, rank1  # one of rank 1's own samples
+
+
+class _BadOnRank1(ToyDataset):
+    """Index 9 (rank 1's shard, unshuffled) cannot be read."""
+
+    def __getitem__(self, i: int) -> dict[str, object]:
+        if i == 9:
+            raise ValueError("corrupt record 9")
+        return super().__getitem__(i)
+
+
+def _failing_peer_rank(rank: int, port: int, out: str) -> None:
+    result: dict[str, object] = {}
+    try:
+        with ODBDataLoader(_BadOnRank1(40), token_budget=64, buffer_size=4, rank=rank, world_size=2, num_workers=0,
+                           shuffle=False, timeout=20, init_method=f"tcp://127.0.0.1:{port}") as loader:
+            loader.set_epoch(0)
+            result["steps"] = sum(1 for _ in loader)
+    except Exception as exc:
+        result.update(error=type(exc).__name__, message=str(exc), ranks=list(getattr(exc, "ranks", ())))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_error_names_the_rank_that_failed_and_its_error(tmp_path):
+    """Rank 1 cannot read a sample: rank 0's PeerError said only "a peer rank died or exceeded
+    the timeout" (nothing died); it now names rank 1 and its SampleLoadError, read from the
+    collate group's store, where the failing rank reported it (``ranks`` == (1,))."""
+    fork_two_ranks(_failing_peer_rank, tmp_path)
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank1.get("error") == "SampleLoadError" and "9" in rank1["message"], rank1
+    assert rank0.get("error") == "PeerError", rank0
+    assert rank0["ranks"] == [1] and "rank 1 failed: SampleLoadError" in rank0["message"], rank0
