@@ -208,6 +208,8 @@ class _ViewDataset(Dataset):  # type: ignore[type-arg]
 
 START_KEY = "odb/start"
 """The store key holding the start it serves (:attr:`CollateSpec.start`), set by rank 0."""
+WORLD_KEY = "odb/world"
+"""The store key holding rank 0's world size (every rank compares its own: :func:`_check_world`)."""
 FAILED_KEY = "odb/failed"
 """The store keys (``odb/failed/<rank>``) where a failing rank reports its error to its peers."""
 
@@ -220,12 +222,57 @@ def _collate_group(spec: CollateSpec) -> tuple[Any, Any]:
     if url.scheme != "tcp" or url.hostname is None or url.port is None:
         raise ValueError(f"init_method must be tcp://host:port, got {spec.init_method!r}")
     timeout = timedelta(seconds=spec.timeout)
-    if spec.rank == 0:
-        store = TCPStore(url.hostname, url.port, spec.world, True, timeout)
+    if spec.rank == 0:  # it answers at once (the group's rendezvous below waits for every rank)
+        store = TCPStore(url.hostname, url.port, spec.world, True, timeout, wait_for_workers=False)
         store.set(START_KEY, str(spec.start))
+        store.set(WORLD_KEY, str(spec.world))
     else:
         store = _join_store(spec, url.hostname, url.port, time.monotonic() + spec.timeout)
-    return store, ProcessGroupGloo(store, spec.rank, spec.world, timeout)
+        _check_world(spec, store)
+    try:
+        return store, ProcessGroupGloo(store, spec.rank, spec.world, timeout)
+    except Exception as exc:
+        reports = store_reports(store, spec.world, spec.rank)
+        if not reports:
+            raise
+        raise PeerError(f"rank {spec.rank}: collate group rendezvous at {spec.init_method} failed ("
+                        + "; ".join(f"rank {r} failed: {m}" for r, m in reports.items()) + f"): {exc}",
+                        rank=spec.rank, ranks=sorted(reports)) from None
+
+
+def _check_world(spec: CollateSpec, store: Any) -> None:
+    """:class:`ConfigMismatchError` (``field="world_size"``), also reported in the store for rank 0,
+    unless rank 0's loader has this rank's world size (a group of mismatched sizes waits out its
+    timeout with nothing said)."""
+    theirs = int(store.get(WORLD_KEY).decode())
+    if theirs != spec.world:
+        message = (f"rank {spec.rank}: this loader's world_size is {spec.world}, rank 0's is {theirs}: pass every rank "
+                   "the same world_size (or none: the process group's)")
+        report_failure(store, spec.rank, ConfigMismatchError(message))
+        raise ConfigMismatchError(message, rank=spec.rank, field="world_size", ranks=(0,))
+
+
+def report_failure(store: Any, rank: int, error: BaseException) -> None:
+    """Put ``rank``'s error (its type and first line) in the collate group's store, for the peers
+    whose collective then fails (best effort: the store may be gone)."""
+    first = (str(error).splitlines() or [""])[0][:300]
+    try:
+        store.set(f"{FAILED_KEY}/{rank}", f"{type(error).__name__}: {first}")
+    except Exception:  # noqa: S110 - rank 0's store gone: the peers say what they saw
+        pass
+
+
+def store_reports(store: Any, world: int, rank: int) -> dict[int, str]:
+    """The failures the other ranks reported in the store (:func:`report_failure`), by rank."""
+    found: dict[int, str] = {}
+    for r in range(world):
+        key = f"{FAILED_KEY}/{r}"
+        try:
+            if r != rank and store.check([key]):
+                found[r] = store.get(key).decode()
+        except Exception:  # the store left with rank 0: nothing more to read
+            break
+    return found
 
 
 def _join_store(spec: CollateSpec, host: str, port: int, deadline: float) -> Any:
@@ -334,7 +381,7 @@ class CollateServer:
                     "a free init_method=, or set ODB_COLLATE_PORT to a free base port (the default port is "
                     "MASTER_PORT+1, +2 for a second loader alive at once, and so on)") if in_use else ""
             self.out.put(encode(Failure(self._as_error(exc) if worker_death(exc) else exc if isinstance(
-                exc, ConfigMismatchError) else PeerError(
+                exc, ConfigMismatchError | PeerError) else PeerError(
                 f"rank {spec.rank}: collate group rendezvous at {spec.init_method} failed: {type(exc).__name__}: "
                 f"{exc}{hint}", rank=spec.rank))))
             return
@@ -677,29 +724,13 @@ class CollateServer:
         return rows
 
     def _report_failure(self, error: BaseException) -> None:
-        """Put this rank's error (its type and first line) in the collate group's store, for the
-        peers whose gather fails when this rank leaves (best effort: the store may be gone)."""
-        if self.store is None:
-            return
-        first = (str(error).splitlines() or [""])[0][:300]
-        try:
-            self.store.set(f"{FAILED_KEY}/{self.spec.rank}", f"{type(error).__name__}: {first}")
-        except Exception:  # noqa: S110 - rank 0's store gone: the peers say what they saw
-            pass
+        """This rank's own error, for the peers whose gather fails when it leaves (:func:`report_failure`)."""
+        if self.store is not None:
+            report_failure(self.store, self.spec.rank, error)
 
     def _peer_reports(self) -> dict[int, str]:
-        """The failures the peers reported in the store (:meth:`_report_failure`), by rank."""
-        found: dict[int, str] = {}
-        if self.store is None:
-            return found
-        for r in range(self.spec.world):
-            key = f"{FAILED_KEY}/{r}"
-            try:
-                if r != self.spec.rank and self.store.check([key]):
-                    found[r] = self.store.get(key).decode()
-            except Exception:  # the store left with rank 0: nothing more to read
-                break
-        return found
+        """The failures the peers reported in the store (:func:`store_reports`), by rank."""
+        return {} if self.store is None else store_reports(self.store, self.spec.world, self.spec.rank)
 
     def _encode(self, item: Reply) -> bytes:
         """``item`` pickled now: a batch that cannot be pickled is a :class:`CollateFnError`

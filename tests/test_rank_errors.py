@@ -122,3 +122,30 @@ def test_a_peer_error_names_the_rank_that_failed_and_its_error(tmp_path):
     assert rank1.get("error") == "SampleLoadError" and "9" in rank1["message"], rank1
     assert rank0.get("error") == "PeerError", rank0
     assert rank0["ranks"] == [1] and "rank 1 failed: SampleLoadError" in rank0["message"], rank0
+
+
+def _world_rank(rank: int, port: int, out: str) -> None:
+    result: dict[str, object] = {}
+    try:  # rank 1 believes in a world of 3
+        with ODBDataLoader(ToyDataset(40), token_budget=64, rank=rank, world_size=2 + rank, num_workers=0, timeout=4,
+                           init_method=f"tcp://127.0.0.1:{port}") as loader:
+            loader.set_epoch(0)
+            result["steps"] = sum(1 for _ in loader)
+    except Exception as exc:
+        result.update(error=type(exc).__name__, message=str(exc), field=getattr(exc, "field", None),
+                      ranks=list(getattr(exc, "ranks", ())))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_disagree_on_world_size_are_told_so(tmp_path):
+    """Rank 1 passes world_size=3 in a world of 2: both ranks waited out the timeout and got a
+    PeerError naming no cause. Rank 1 now compares rank 0's world size in the store at once
+    (ConfigMismatchError, field world_size); rank 0, whose group rendezvous still waits for its
+    timeout, names rank 1's refusal."""
+    fork_two_ranks(_world_rank, tmp_path)
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert (rank1.get("error"), rank1.get("field"), rank1.get("ranks")) == ("ConfigMismatchError", "world_size", [0])
+    assert "world_size is 3, rank 0's is 2" in rank1["message"], rank1
+    assert rank0.get("error") == "PeerError" and rank0["ranks"] == [1], rank0
+    assert "rank 1 failed: ConfigMismatchError" in rank0["message"], rank0
