@@ -58,8 +58,23 @@ class _Uneven(ToyDataset):
         return {"input_ids": torch.arange(40 if i % 2 == 0 else 2), "idx": i}
 
 
-def _idle_rank(rank: int, port: int, out: str) -> None:
+def _one_epoch(rank: int, out: str, dataset: ToyDataset, **kwargs: object) -> None:
+    """One epoch of an ODBDataLoader over ``dataset`` on this rank of a W=2 run (``kwargs``
+    overriding), its step count or its error (type, message, indices, ranks, field) to ``out``."""
     result: dict[str, object] = {}
+    options: dict[str, object] = dict(token_budget=64, buffer_size=4, rank=rank, world_size=2, num_workers=0,
+                                      shuffle=False, timeout=20)
+    try:
+        with ODBDataLoader(dataset, **{**options, **kwargs}) as loader:  # type: ignore[arg-type]
+            loader.set_epoch(0)
+            result["steps"] = sum(1 for _ in loader)
+    except Exception as exc:
+        result.update(error=type(exc).__name__, message=str(exc), indices=list(getattr(exc, "indices", ())),
+                      ranks=list(getattr(exc, "ranks", ())), field=getattr(exc, "field", None))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _idle_rank(rank: int, port: int, out: str) -> None:
     seen: set[object] = set()
 
     def collate(batch: list[dict[str, object]]) -> dict[str, object]:
@@ -69,15 +84,7 @@ def _idle_rank(rank: int, port: int, out: str) -> None:
         seen.update(ids)
         return pad_collate(batch)
 
-    try:
-        with ODBDataLoader(_Uneven(16), token_budget=64, buffer_size=4, rank=rank, world_size=2, num_workers=0,
-                           shuffle=False, timeout=20, collate_fn=collate,
-                           init_method=f"tcp://127.0.0.1:{port}") as loader:
-            loader.set_epoch(0)
-            result["steps"] = sum(1 for _ in loader)
-    except Exception as exc:
-        result.update(error=type(exc).__name__, message=str(exc), indices=list(getattr(exc, "indices", ())))
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    _one_epoch(rank, out, _Uneven(16), collate_fn=collate, init_method=f"tcp://127.0.0.1:{port}")
 
 
 @pytest.mark.timeout(120)
@@ -101,15 +108,7 @@ class _BadOnRank1(ToyDataset):
 
 
 def _failing_peer_rank(rank: int, port: int, out: str) -> None:
-    result: dict[str, object] = {}
-    try:
-        with ODBDataLoader(_BadOnRank1(40), token_budget=64, buffer_size=4, rank=rank, world_size=2, num_workers=0,
-                           shuffle=False, timeout=20, init_method=f"tcp://127.0.0.1:{port}") as loader:
-            loader.set_epoch(0)
-            result["steps"] = sum(1 for _ in loader)
-    except Exception as exc:
-        result.update(error=type(exc).__name__, message=str(exc), ranks=list(getattr(exc, "ranks", ())))
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    _one_epoch(rank, out, _BadOnRank1(40), init_method=f"tcp://127.0.0.1:{port}")
 
 
 @pytest.mark.timeout(120)
@@ -125,16 +124,8 @@ def test_a_peer_error_names_the_rank_that_failed_and_its_error(tmp_path):
 
 
 def _world_rank(rank: int, port: int, out: str) -> None:
-    result: dict[str, object] = {}
-    try:  # rank 1 believes in a world of 3
-        with ODBDataLoader(ToyDataset(40), token_budget=64, rank=rank, world_size=2 + rank, num_workers=0, timeout=4,
-                           init_method=f"tcp://127.0.0.1:{port}") as loader:
-            loader.set_epoch(0)
-            result["steps"] = sum(1 for _ in loader)
-    except Exception as exc:
-        result.update(error=type(exc).__name__, message=str(exc), field=getattr(exc, "field", None),
-                      ranks=list(getattr(exc, "ranks", ())))
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    # rank 1 believes in a world of 3
+    _one_epoch(rank, out, ToyDataset(40), world_size=2 + rank, timeout=4, init_method=f"tcp://127.0.0.1:{port}")
 
 
 @pytest.mark.timeout(120)
