@@ -589,10 +589,14 @@ class ODBDataLoader:
         epoch = self.epoch
         check_resumed_epoch(None if self._resume is None else self._resume[0], epoch, self.rank)
         self._warn_repeated_epoch(epoch)
-        if self._epoch_open or (self._elastic is not None and self._resume is None):
+        if self._epoch_open or (self._elastic is not None and self._resume is None) or (
+                self.skip_idle and self._proc is not None):
             # the previous iteration was abandoned mid-epoch (break): the collate process
             # is still in that epoch and its queued batches are stale, so restart it; an
-            # elastic share was served (or abandoned) once: a later pass runs the plain sampler
+            # elastic share was served (or abandoned) once: a later pass runs the plain sampler;
+            # under skip_idle every rank restarts at every pass: a rank whose loop ended early
+            # cannot break with a peer that leaves the epoch at max_steps, and its collate
+            # process would stay in that epoch's group while the peer's starts a new one
             self.close()  # marks every iterator stale: this one takes a new number
             self._elastic = None if self._resume is None else self._elastic
             self._generation += 1

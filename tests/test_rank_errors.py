@@ -140,3 +140,52 @@ def test_ranks_that_disagree_on_world_size_are_told_so(tmp_path):
     assert "world_size is 3, rank 0's is 2" in rank1["message"], rank1
     assert rank0.get("error") == "PeerError" and rank0["ranks"] == [1], rank0
     assert "rank 1 failed: ConfigMismatchError" in rank0["message"], rank0
+
+
+class _LongOnRank0(ToyDataset):
+    """Rank 0's samples (even indices, unshuffled) 200 tokens, rank 1's 6: rank 1's loop ends first."""
+
+    def __getitem__(self, i: int) -> dict[str, object]:
+        return {"input_ids": torch.arange(200 if i % 2 == 0 else 6), "idx": i}
+
+
+def _skip_idle_break_rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch_support import init_gloo
+
+    result: dict[str, object] = {}
+    init_gloo(rank, 2, port)  # the trainers' group: its barrier stands for Join's wait for the last rank
+    try:
+        with ODBDataLoader(_LongOnRank0(120), token_budget=256, buffer_size=16, rank=rank, world_size=2,
+                           num_workers=0, shuffle=False, timeout=20, skip_idle=True,
+                           init_method=f"tcp://127.0.0.1:{port + 1}") as loader:
+            epochs = []
+            for epoch in range(2):
+                loader.set_epoch(epoch)
+                steps = []
+                for k, _ in enumerate(loader):
+                    steps.append(list(loader.step_info.indices))
+                    if epoch == 0 and k == 44:
+                        break  # max_steps: only rank 0 gets this far; rank 1's loop has ended (skip_idle)
+                epochs.append(steps)
+                dist.barrier()  # Join: every rank's loop over the epoch is over
+            result["epochs"] = epochs
+    except Exception as exc:
+        result.update(error=type(exc).__name__, message=str(exc))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_break_at_max_steps_under_skip_idle_restarts_every_rank_for_the_next_epoch(tmp_path):
+    """Join with ``skip_idle``: rank 1's loop ends at its last real batch, rank 0 leaves epoch 0
+    at max_steps (break). Rank 1 could not break at the same step; its collate process was still
+    in epoch 0's idle rounds and kept its group while rank 0's loader started a new one: rank 1
+    got a PeerError at once and rank 0 waited out its timeout. Now rank 1's loader restarts too,
+    and epoch 1 trains every sample once, in lockstep."""
+    fork_two_ranks(_skip_idle_break_rank, tmp_path)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all("error" not in r for r in ranks), ranks
+    assert len(ranks[0]["epochs"][0]) == 45 > len(ranks[1]["epochs"][0]), "rank 1's loop ended first in epoch 0"
+    second = [ids for r in ranks for step in r["epochs"][1] for ids in step]
+    assert sorted(second) == list(range(120)), "epoch 1: every sample once"
