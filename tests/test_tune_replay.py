@@ -201,3 +201,32 @@ def test_a_gpu_report_says_to_train_under_expandable_segments_unless_tune_ran_un
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")  # torch's newer name
     assert allocator_setting("cuda") == "expandable_segments:True"
+
+
+def test_a_step_is_measured_on_the_models_own_device(monkeypatch):
+    """peak_on_cuda reset, read and emptied the current device's memory statistics: a model on
+    ``cuda:1`` while ``cuda:0`` is current was measured on ``cuda:0``. Every call now runs inside
+    the model's device (faked: no GPU here; the seeded bug, no device context, records None)."""
+    from contextlib import contextmanager
+
+    from odb_tools.tune.measure import peak_on_cuda
+
+    current: list[object] = [None]
+    calls: list[tuple[str, object]] = []
+
+    @contextmanager
+    def device(d):
+        current.append(d)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    for name in ("empty_cache", "reset_peak_memory_stats", "synchronize"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name: calls.append((_n, current[-1])))
+    monkeypatch.setattr(torch.cuda, "device", device)
+    model = torch.nn.Linear(2, 2)
+    got = peak_on_cuda(model, lambda: calls.append(("run", current[-1])), lambda: calls.append(("peak", current[-1])) or 7)
+    assert got == (7, None)
+    where = next(model.parameters()).device
+    assert calls and all(d == where for _, d in calls), calls

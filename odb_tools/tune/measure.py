@@ -140,24 +140,26 @@ def measure_cuda(model: nn.Module, shape: Shape, vocab_size: int, optimizer: str
 def peak_on_cuda(model: nn.Module, run: Callable[[], None], peak: Callable[[], int]) -> tuple[int | None, str | None]:
     """(``peak()``, None) after ``run()`` from an emptied cache with its peaks reset, or (None, the
     error) on ``torch.cuda.OutOfMemoryError``; :class:`ModelStepError` for any other failure; the
-    model's gradients dropped and the cache emptied after."""
-    model.zero_grad(set_to_none=True)
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    try:
-        run()
-        torch.cuda.synchronize()
-        return int(peak()), None
-    except torch.cuda.OutOfMemoryError as exc:
-        return None, f"OutOfMemoryError: {str(exc)[:200]}"
-    except Exception as exc:  # the model cannot run the step: no budget will fit
-        raise ModelStepError(f"the model's training step failed, not for memory: {type(exc).__name__}: "
-                             f"{str(exc)[:300]}") from exc
-    finally:
+    model's gradients dropped and the cache emptied after. All on the model's device (the
+    current device while it runs: a model on ``cuda:1`` is measured there, not on ``cuda:0``)."""
+    with torch.cuda.device(next(model.parameters()).device):
         model.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            run()
+            torch.cuda.synchronize()
+            return int(peak()), None
+        except torch.cuda.OutOfMemoryError as exc:
+            return None, f"OutOfMemoryError: {str(exc)[:200]}"
+        except Exception as exc:  # the model cannot run the step: no budget will fit
+            raise ModelStepError(f"the model's training step failed, not for memory: {type(exc).__name__}: "
+                                 f"{str(exc)[:300]}") from exc
+        finally:
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            torch.cuda.empty_cache()
 
 
 def cuda_fraction(device: torch.device | str, limit: int) -> tuple[int, float]:
