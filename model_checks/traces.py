@@ -626,8 +626,7 @@ def merge(logs: Sequence[Sequence[Mapping[str, Any]]], name: str = "run", status
                                      f"rank 0 {split[0].gathers[g].get(key)!r}")
     scenario, stream_ranks = _merged_scenario(first, split, n_gathers, name)
     quota = int(first.get("quota") or 0)
-    run = _Behaviour(scenario, stream_ranks, done=not scenario.join and quota == 0)
-    run.statuses = statuses
+    run = _Behaviour(scenario, stream_ranks, done=not scenario.join and quota == 0, statuses=statuses)
     if run.done and all(c == 0 for c in counts):
         complete = True  # the epoch was over before it began: nothing to end
     for g in range(n_gathers + 1):
@@ -635,7 +634,7 @@ def merge(logs: Sequence[Sequence[Mapping[str, Any]]], name: str = "run", status
             for ev in split[r].segments[g]:
                 run.local(r, ev)
         if g < n_gathers:
-            run.gather([x.gathers[g] for x in split], [x.claims[g] for x in split])
+            run.gather(g, [x.gathers[g] for x in split], [x.claims[g] for x in split])
     return Trace(scenario, name, run.states, run.packs, run.actions, complete)
 
 
@@ -714,7 +713,7 @@ def _merged_scenario(first: Mapping[str, Any], split: list[_RankLog], n_gathers:
 class _Behaviour:
     """The spec's variables along a merged run, and the states, groupings and actions so far."""
 
-    def __init__(self, s: Scenario, stream_ranks: set[int], done: bool) -> None:
+    def __init__(self, s: Scenario, stream_ranks: set[int], done: bool, statuses: bool = True) -> None:
         world = len(s.lengths)
         self.nv, self.stream_ranks, self.world = [len(ls) for ls in s.lengths], stream_ranks, world
         self.next = [1] * world
@@ -731,8 +730,7 @@ class _Behaviour:
         self.states: list[tuple[Value, ...]] = []
         self.packs: list[tuple[Value, ...]] = []
         self.actions: list[str] = []
-        self.scenario, self.statuses = s, True
-        self.gathers = 0
+        self.scenario, self.statuses = s, statuses
         self.push("Init")
 
     def push(self, action: str, pack: tuple[Value, ...] | None = None) -> None:
@@ -760,13 +758,13 @@ class _Behaviour:
             self.b[r].append(int(ev["pos"]) + 1)
             self.push("Drain")
 
-    def gather(self, recs: Sequence[Mapping[str, Any]], claims: Sequence[Events]) -> None:
+    def gather(self, g: int, recs: Sequence[Mapping[str, Any]], claims: Sequence[Events]) -> None:
         """One gather (every rank's record of it) and the claims applied at it: one spec step."""
         world = self.world
         target, ended, done_after = int(recs[0]["target"]), bool(recs[0]["ended"]), bool(recs[0]["done"])
         pack = tuple(tuple(tuple(p + 1 for p in grp) for grp in rec.get("grouping") or []) for rec in recs)
         emitting = target > 0 and not (ended and not any(rec.get("out") for rec in recs))
-        self._check_records(recs, emitting, ended and not done_after)
+        self._check_records(g, recs, emitting, ended and not done_after)
         if emitting:
             for r, rec in enumerate(recs):
                 items = tuple(tuple(p + 1 for p in item) for item in rec.get("out") or [])
@@ -794,7 +792,7 @@ class _Behaviour:
         self.push("Gather", pack)
 
 
-    def _check_records(self, recs: Sequence[Mapping[str, Any]], emitting: bool, chaining: bool) -> None:
+    def _check_records(self, g: int, recs: Sequence[Mapping[str, Any]], emitting: bool, chaining: bool) -> None:
         """A :class:`MergeError` unless each rank's record of this gather agrees with the spec's
         state before it: its status is the spec's Status(r), and a round that emits nothing (a
         skip round, a chain, the end) yields nothing and, when it chains, reports the H it had."""
@@ -803,7 +801,7 @@ class _Behaviour:
         # pool hold reports a ready rank waiting: the spec's HeldStatus): there it is not compared
         exact_status = not self.scenario.stream and not self.scenario.pool
         for r, rec in enumerate(recs):
-            where = f"gather {self.gathers} (round {rec.get('round')!r}): rank {r}"
+            where = f"gather {g} (round {rec.get('round')!r}): rank {r}"
             if self.statuses and exact_status and "status" in rec:
                 want = _status(self.scenario, before, r)
                 if rec["status"] != want:
@@ -813,7 +811,6 @@ class _Behaviour:
             if chaining and {p + 1 for p in rec.get("held") or []} != set(before[_IX["H"]][r]):
                 raise MergeError(f"{where} reports {rec.get('held')!r} held back as its iteration ends, the "
                                  f"spec's H {sorted(p - 1 for p in before[_IX['H']][r])}")
-        self.gathers += 1
 
 
 def read_logs(directory: str | Path) -> list[tuple[str, list[list[dict[str, Any]]]]]:

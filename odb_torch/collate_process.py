@@ -173,20 +173,20 @@ class Rendezvous:
     context; None: a mark of this process only."""
 
     def __init__(self, ctx: Any = None) -> None:
-        self._count: Any = ctx.RawValue(ctypes.c_int64, 0) if ctx is not None else ctypes.c_int64(0)
+        self._mark: Any = ctx.RawValue(ctypes.c_int64, 0) if ctx is not None else ctypes.c_int64(0)
 
     @property
     def waiting(self) -> bool:
-        return int(self._count.value) == 1
+        return int(self._mark.value) == 1
 
     @contextlib.contextmanager
     def inside(self) -> Iterator[None]:
         """Mark the rendezvous run in this block as entered, then as left (however it ends)."""
-        self._count.value = 1
+        self._mark.value = 1
         try:
             yield
         finally:
-            self._count.value = 2
+            self._mark.value = 2
 
 
 class _ParentGone(Exception):
@@ -235,9 +235,8 @@ def _collate_group(spec: CollateSpec) -> tuple[Any, Any]:
         reports = store_reports(store, spec.world, spec.rank)
         if not reports:
             raise
-        raise PeerError(f"rank {spec.rank}: collate group rendezvous at {spec.init_method} failed ("
-                        + "; ".join(f"rank {r} failed: {m}" for r, m in reports.items()) + f"): {exc}",
-                        rank=spec.rank, ranks=sorted(reports)) from None
+        raise PeerError(f"rank {spec.rank}: collate group rendezvous at {spec.init_method} failed "
+                        f"({failures(reports)}): {exc}", rank=spec.rank, ranks=sorted(reports)) from None
 
 
 def _check_world(spec: CollateSpec, store: Any) -> None:
@@ -260,6 +259,11 @@ def report_failure(store: Any, rank: int, error: BaseException) -> None:
         store.set(f"{FAILED_KEY}/{rank}", f"{type(error).__name__}: {first}")
     except Exception:  # noqa: S110 - rank 0's store gone: the peers say what they saw
         pass
+
+
+def failures(reports: dict[int, str]) -> str:
+    """The peers' reported failures (:func:`store_reports`) as one clause of a ``PeerError``."""
+    return "; ".join(f"rank {r} failed: {m}" for r, m in reports.items()) or "a peer rank died or exceeded the timeout"
 
 
 def store_reports(store: Any, world: int, rank: int) -> dict[int, str]:
@@ -338,7 +342,7 @@ class CollateServer:
         self.trace_dir = os.environ.get(TRACE_ENV) or None
         self._trace_file: Any = None
         self._ahead: dict[int, tuple[Any, tuple[int, int]]] = {}  # loaded, not yet fetched (still in R)
-        self._template: Any = None  # a sample of this rank, collated for idle items (see _offer_template)
+        self._template: Any = None  # a sample of this rank, collated for idle items (see _wants_template)
         self._template_length = 0
         self._template_index = 0  # the template's dataset index (named when collate_fn fails on it)
         self._loading: Iterator[Any] | None = None  # the current iteration's loads (owns the workers)
@@ -578,7 +582,8 @@ class CollateServer:
                 sample, (length, tokens) = self._ahead.pop(pos)
                 driver.arrive(pos, length, tokens)
                 samples[pos] = sample
-                self._offer_template(sample, length, driver.protocol.views[pos] if driver.protocol is not None else pos)
+                if self._wants_template(length):  # the rank's first (non-empty) sample: looked up once
+                    self._keep_template(sample, length, driver.protocol.views[pos] if driver.protocol is not None else pos)
             if not driver.needs_arrivals():
                 return
             chunk = next(loads, None)
@@ -588,12 +593,15 @@ class CollateServer:
             for pos, sample, measure in chunk:
                 self._ahead[pos] = (sample, measure)
 
-    def _offer_template(self, sample: Any, length: int, identity: int) -> None:
-        """Keep ``sample`` (dataset index ``identity``) as the idle items' template if it is the
-        rank's first, or its first non-empty one: an idle batch then has the shape of real data,
-        not ``[1, 0]``, which many models cannot run (its loss is scaled by 0 either way, P7)."""
-        if self._template is None or (self._template_length == 0 and length > 0):
-            self._template, self._template_length, self._template_index = sample, length, identity
+    def _wants_template(self, length: int) -> bool:
+        """Whether a sample of ``length`` becomes the idle items' template: the rank's first, or its
+        first non-empty one (an idle batch then has the shape of real data, not ``[1, 0]``, which
+        many models cannot run; its loss is scaled by 0 either way, P7)."""
+        return self._template is None or (self._template_length == 0 and length > 0)
+
+    def _keep_template(self, sample: Any, length: int, identity: int) -> None:
+        """``sample`` (dataset index ``identity``) as the idle items' template (:meth:`_wants_template`)."""
+        self._template, self._template_length, self._template_index = sample, length, identity
 
     def _loads(self, views: list[int], positions: range,
                in_process: bool = False) -> Iterator[list[tuple[int, Any, tuple[int, int]]]]:
@@ -717,10 +725,8 @@ class CollateServer:
             self.pg.allgather([list(rows.unbind(0))], [mine]).wait()
         except Exception as exc:  # gloo raises RuntimeError subclasses on peer death and timeouts
             reports = self._peer_reports()
-            cause = "; ".join(f"rank {r} failed: {m}" for r, m in reports.items()) or \
-                "a peer rank died or exceeded the timeout"
-            raise PeerError(f"rank {self.spec.rank}: the {what} all_gather of the collate group failed ({cause}): "
-                            f"{exc}", rank=self.spec.rank, ranks=sorted(reports)) from None
+            raise PeerError(f"rank {self.spec.rank}: the {what} all_gather of the collate group failed "
+                            f"({failures(reports)}): {exc}", rank=self.spec.rank, ranks=sorted(reports)) from None
         return rows
 
     def _report_failure(self, error: BaseException) -> None:

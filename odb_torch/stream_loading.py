@@ -459,7 +459,8 @@ class StreamServer(CollateServer):
             length, tokens = self._packer.measure(sample, s)
             driver.arrive(pos, length, tokens)
             samples[pos] = sample
-            self._offer_template(sample, length, s)
+            if self._wants_template(length):
+                self._keep_template(sample, length, s)
 
     def _deliver(self, driver: EpochDriver, item: Delivery | LoopEnd, samples: dict[int, Any]) -> bool:
         if isinstance(item, Delivery) and item.step.is_idle and self._template is None:
