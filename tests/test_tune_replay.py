@@ -194,7 +194,7 @@ def test_a_gpu_report_says_to_train_under_expandable_segments_unless_tune_ran_un
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     result["allocator"] = allocator_setting("cuda")
     assert result["allocator"] == "default"
-    assert "train with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in markdown(result)
+    assert "rerun tune and train with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in markdown(result)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     result["allocator"] = allocator_setting("cuda")
     assert "train with" not in markdown(result)
