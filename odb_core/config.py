@@ -124,18 +124,18 @@ class ODBConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    token_budget: Integer = Field(ge=1)
+    token_budget: Integer = Field(ge=1, lt=2**63)  # a room of up to L_max travels in an int64 header field
     budget: BudgetName = "padded"
     buffer_size: Integer = Field(default=1024, ge=1)
     depth: Integer | None = Field(default=None, ge=1)
     mode: Mode = "join"
     loss_scaling: LossScaling = "exact"
-    seed: Integer = 0
+    seed: Integer = Field(default=0, ge=-(2**63), lt=2**63)  # seed + epoch seeds a torch.Generator
     target_policy: TargetPolicyName = "balanced"
     overflow_policy: OverflowPolicyName = "largest"
     output_capacity: Integer | None = Field(default=None, ge=1, lt=2**63)  # an int64 header field
     regroup_padding: Annotated[float, Field(strict=True)] | None = Field(default=0.02, ge=0, lt=1)
-    shuffle_steps: bool = True
+    shuffle_steps: Annotated[bool, Field(strict=True)] = True
     shared_tail: Annotated[float, Field(strict=True)] = Field(default=0.0, ge=0, lt=1)
     reserve_divisor: Integer = Field(default=8, ge=1)
 

@@ -33,10 +33,11 @@ OWN_FIELDS = ("rank", "world_size", "epoch", "steps", "seed", "consumed")
 """What every rank state holds (``ODBDataLoader.state_dict``)."""
 AGREED_FIELDS = ("epoch", "steps", "seed", "total", "order_world")
 """The fields every rank's state must share for a merge."""
-ORDER_FIELDS = ("shuffle", "sampler_seed")
-"""What, besides the epoch and the dataset size, fixes the global order (a ``DistributedSampler``'s
-shuffle flag and seed): recorded by loaders that know the order; when one state has a field every
-state must have it, with the same value, and a resume checks it against its sampler."""
+ORDER_FIELDS = ("shuffle", "sampler_seed", "dataset_size")
+"""What, besides the epoch, fixes the global order (a ``DistributedSampler``'s shuffle flag and
+seed, and its dataset's size: ``total``, the padded order's length, is the same for sizes that
+pad to one multiple of W): recorded by loaders that know the order; when one state has a field
+every state must have it, with the same value, and a resume checks it against its sampler."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,29 @@ def _require(states: Sequence[Mapping[str, Any]]) -> None:
         if missing:
             raise ResumeStateError(f"loader states {missing} lack {key!r} (a state_dict of an older ODB "
                                    "cannot be resumed on another world size)", field=key, ranks=missing)
+
+
+def _is_int(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _check_field_types(state: Mapping[str, Any], place: int) -> None:
+    """:class:`ResumeStateError` naming the first field of ``state`` (``place``: its index in the
+    list) that is not what a loader's ``state_dict`` writes: integers, not strings, floats or
+    bools that ``int()`` would quietly read (``"012"`` as 12, 1.9 as 1)."""
+    rank = state["rank"] if _is_int(state["rank"], 0) else None
+    least = {"rank": 0, "world_size": 1, "epoch": 0, "steps": 0, "total": 0, "order_world": 1, "pool": 0,
+             "pool_size": 0, "seed": -(2**63)}
+    for key, low in least.items():
+        if key in state and not _is_int(state[key], low):
+            raise ResumeStateError(f"loader state {place}: {key}={state[key]!r} is not an integer >= {low}",
+                                   field=key, ranks=[place], rank=rank)
+    check_counts(state, place if rank is None else rank)
+    for key in ("views", "claimed"):
+        values = state.get(key)
+        if values is not None and (not isinstance(values, (list, tuple)) or not all(_is_int(v, 0) for v in values)):
+            raise ResumeStateError(f"loader state {place}: {key}={str(values)[:60]} is not a list of integers >= 0",
+                                   field=key, ranks=[place], rank=rank)
 
 
 def _agreed(states: Sequence[Mapping[str, Any]]) -> dict[str, int]:
@@ -235,6 +259,8 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> GlobalState:
     if streamed:
         raise stream_world_error(f"the states of ranks {streamed} come from streams", ranks=streamed)
     _require(states)
+    for place, state in enumerate(states):
+        _check_field_types(state, place)
     _check_ranks(states)
     agreed = _agreed(states)
     layout = _agreed_layout(states)
@@ -269,7 +295,8 @@ def global_state_from(state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) ->
         if state.get("kind") != "odb-global":
             raise ResumeStateError("a single rank's state cannot resume another world size: pass the list of "
                                    "every rank's state_dict, or their merge_states(...).to_dict()", field="kind")
-        consumed = tuple(sorted(int(g) for g in state["consumed"]))
+        _check_global_types(state)
+        consumed = tuple(sorted(state["consumed"]))
         if len(set(consumed)) != len(consumed) or any(not 0 <= g < int(state["total"]) for g in consumed):
             raise ResumeStateError("the global state's consumed positions repeat or fall outside its order",
                                    field="consumed", indices=consumed)
@@ -280,11 +307,31 @@ def global_state_from(state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) ->
     return merge_states(list(state))
 
 
+def _check_global_types(state: Mapping[str, Any]) -> None:
+    """:class:`ResumeStateError` naming the first field of a merged state that
+    :meth:`GlobalState.to_dict` would not have written (a missing one, a string, a float, a bool)."""
+    least = {"epoch": 0, "steps": 0, "total": 0, "order_world": 1, "seed": -(2**63)}
+    for key, low in least.items():
+        if not _is_int(state.get(key), low):
+            raise ResumeStateError(f"the global state's {key}={state.get(key)!r} is not an integer >= {low}", field=key)
+    for key in ORDER_FIELDS:
+        if key in state and not _is_int(state[key], -(2**63)):
+            raise ResumeStateError(f"the global state's {key}={state[key]!r} is not an integer", field=key)
+    consumed = state.get("consumed")
+    if not isinstance(consumed, (list, tuple)) or not all(_is_int(g, 0) for g in consumed):
+        raise ResumeStateError(f"the global state's consumed={str(consumed)[:60]} is not a list of integers >= 0",
+                               field="consumed")
+    tail = state.get("order_tail", 0.0)
+    if isinstance(tail, bool) or not isinstance(tail, (int, float)) or not 0 <= tail < 1:
+        raise ResumeStateError(f"the global state's order_tail={tail!r} is not a fraction in [0, 1)",
+                               field="order_tail")
+
+
 def assign_views(state: GlobalState, world: int, rank: int) -> list[int]:
     """Rank ``rank`` of ``world``'s views for the rest of the epoch: global positions, every remaining
     one on exactly one rank (the remaining order dealt round-robin; counts differ by at most one)."""
     if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} outside world of size {world}")
+        raise UnsupportedSettingError(f"rank {rank} outside world of size {world}", field="rank", rank=rank)
     return state.remaining()[rank::world]
 
 

@@ -150,6 +150,10 @@ class EpochDriver:
                 f"rank {rank}: mode='non-join' over a stream: non-join ends the epoch at a quota of N samples "
                 "(the dataset size), and a stream's size is unknown until it ends; use mode='join'",
                 field="mode", rank=rank)
+        if skip and not self.join:
+            raise UnsupportedSettingError(
+                f"rank {rank}: skip (a resumed epoch's consumed positions) in mode='non-join': non-join resumes "
+                "at an iteration boundary, not mid-epoch; use mode='join'", field="mode", rank=rank)
         if not self.join and quota is None:
             raise ValueError("non-join mode needs the sample quota N (the dataset size)")
         self.quota = None if self.join else QuotaTracker(quota or 0)

@@ -61,7 +61,8 @@ def form_groups(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
     if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
         raise InvalidSampleError(f"token_budget must be an int >= 1, got {token_budget!r}")
     require_sequence(lengths)
-    if not (set(map(type, lengths)) <= {int} and (not lengths or min(lengths) >= 0)):  # fast path: plain ints
+    plain = set(map(type, lengths)) <= {int}  # the fast path: plain ints in [0, MAX_LENGTH]
+    if not (plain and (not lengths or 0 <= min(lengths) and max(lengths) <= MAX_LENGTH)):
         for i, length in enumerate(lengths):
             check_length(length, f"sample {i}")
     return group_sorted(sorted(range(len(lengths)), key=lengths.__getitem__), lengths, token_budget)

@@ -27,7 +27,7 @@ from fractions import Fraction
 from odb_core.alignment import TARGET_FUNCTIONS, align
 from odb_core.budgets import BUFFER_RULES
 from odb_core.config import ODBConfig
-from odb_core.errors import InvalidSampleError, PeerInconsistencyError, ProtocolStateError
+from odb_core.errors import InvalidSampleError, PeerInconsistencyError, ProtocolStateError, UnsupportedSettingError
 from odb_core.grouping import check_length, hold_sparse
 from odb_core.loss import round_denominators, share
 from odb_core.wire import (
@@ -120,7 +120,7 @@ class RankProtocol:
     def __init__(self, config: ODBConfig, rank: int, world: int, views: Sequence[int], iteration: int = 0,
                  epoch: int = 0, *, stream: Callable[[int], int] | None = None, pool_open: bool = False) -> None:
         if not 0 <= rank < world:
-            raise ValueError(f"rank {rank} outside world of size {world}")
+            raise UnsupportedSettingError(f"rank {rank} outside world of size {world}", field="rank", rank=rank)
         self.config = config
         self.rank = rank
         self.world = world

@@ -11,6 +11,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from odb_core.errors import UnsupportedSettingError
+
 
 def permutation(n: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
     """The sampler order of ``range(n)`` for (seed, epoch); identity order if not shuffled."""
@@ -40,7 +42,7 @@ def shard_all(order: Sequence[int], world: int) -> list[list[int]]:
 def shard_views(order: Sequence[int], world: int, rank: int) -> list[int]:
     """Rank ``rank``'s views: ``padded_order(order, world)[rank::world]``."""
     if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} outside world of size {world}")
+        raise UnsupportedSettingError(f"rank {rank} outside world of size {world}", field="rank", rank=rank)
     return padded_order(order, world)[rank::world]
 
 

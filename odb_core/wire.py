@@ -155,10 +155,13 @@ class HeaderGather(Sequence[Header]):
     simulator) share them; every result is what the function returns on the headers.
     """
 
-    __slots__ = ("headers", "iteration", "round", "finished", "length", "_derived")
+    __slots__ = ("headers", "iteration", "round", "finished", "length", "checked", "_derived")
 
-    def __init__(self, headers: Sequence[Header], iteration: int, rnd: int, length: int = HEADER_LEN) -> None:
+    def __init__(self, headers: Sequence[Header], iteration: int, rnd: int, length: int = HEADER_LEN, *,
+                 checked: bool = False) -> None:
         self.headers = tuple(headers)
+        self.checked = checked
+        """Built by :meth:`decode` (every header checked); only such a gather :meth:`belongs_to` a round."""
         self.iteration = iteration
         self.round = rnd
         self.length = length
@@ -171,11 +174,12 @@ class HeaderGather(Sequence[Header]):
     def decode(cls, vectors: Sequence[Sequence[int]], world: int, iteration: int, rnd: int,
                length: int = HEADER_LEN) -> HeaderGather:
         """Decode and check a header gather (:func:`decode_headers`)."""
-        return cls(decode_headers(vectors, world, iteration, rnd, length), iteration, rnd, length)
+        return cls(decode_headers(vectors, world, iteration, rnd, length), iteration, rnd, length, checked=True)
 
     def belongs_to(self, world: int, iteration: int, rnd: int, length: int = HEADER_LEN) -> bool:
-        """Whether this is a gather of ``world`` headers of ``length`` decoded for ``iteration`` and ``rnd``."""
-        return (len(self.headers) == world and self.iteration == iteration and self.round == rnd
+        """Whether this is a gather of ``world`` headers of ``length`` decoded (and so checked, not
+        built by hand) for ``iteration`` and ``rnd``."""
+        return (self.checked and len(self.headers) == world and self.iteration == iteration and self.round == rnd
                 and self.length == length)
 
     def encode(self) -> list[list[int]]:

@@ -473,12 +473,11 @@ class CollateServer:
             facts = {**sampler_facts(self.sampler, spec.dataset), "first_step": cmd.first_step,
                      "resumed_state": resumed_state(self.sampler, cmd.epoch)}
             self._handshake(driver, facts)
-            ended = self._rounds(driver)
+            self._rounds(driver)
             self._close_loading()  # the epoch's DataLoader workers end with it, not at the next StartEpoch
         finally:
             self._flush_trace(driver)
-        if not ended:
-            self._put(EpochEnd(cmd.epoch))
+        self._put(EpochEnd(cmd.epoch, driver.next_step))  # the count; after an early end (skip_idle), a second one
 
     def _handshake(self, driver: EpochDriver, facts: dict[str, object]) -> None:
         """The epoch's handshake: a typed error unless every rank runs the same protocol fields

@@ -75,9 +75,10 @@ def global_order(sampler: DistributedSampler[Any], epoch: int, world: int, tail:
 
 
 def order_fields(sampler: DistributedSampler[Any]) -> dict[str, int]:
-    """What fixes a ``DistributedSampler``'s global order besides the epoch and the dataset size
+    """What fixes a ``DistributedSampler``'s global order besides the epoch
     (:data:`~odb_core.elastic.ORDER_FIELDS`), for ``state_dict``."""
-    return {"shuffle": int(bool(sampler.shuffle)), "sampler_seed": int(sampler.seed)}
+    return {"shuffle": int(bool(sampler.shuffle)), "sampler_seed": int(sampler.seed),
+            "dataset_size": len(sampler.dataset)}  # type: ignore[arg-type]
 
 
 def check_order(recorded: Mapping[str, Any], sampler: Any, rank: int) -> None:
@@ -96,12 +97,12 @@ def plan_resume(sampler: Any, rank: int, world: int, seed: int,
     if merged.seed != seed:
         raise ResumeStateError(f"rank {rank}: the checkpoint's seed {merged.seed} is not this loader's {seed}",
                                field="seed", rank=rank)
+    check_order(dict(merged.order), ds, rank)  # first: another dataset size is named as such
     expected = order_total(ds, merged.order_world, merged.order_tail)
     if expected != merged.total:
         raise ResumeStateError(
             f"rank {rank}: the checkpoint's order holds {merged.total} views, this dataset and sampler give "
             f"{expected} on {merged.order_world} ranks (another dataset or drop_last?)", field="total", rank=rank)
-    check_order(dict(merged.order), ds, rank)
     views = tuple(assign_views(merged, world, rank))
     return merged, ElasticEpoch(merged.epoch, views, merged.total - len(merged.consumed), merged.order_world,
                                 merged.total, merged.order_tail, merged.digest())

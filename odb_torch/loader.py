@@ -360,6 +360,7 @@ class ODBDataLoader:
         self._tail = TailPosition(0, ())  # a pooled epoch's pool position at the last yielded step
         self._epoch_open = False  # an iteration started and has not reached its EpochEnd
         self._completed: int | None = None  # the epoch whose EpochEnd was reached last
+        self._awaiting_total = False  # skip_idle: the loop ended early; the epoch's step count is still to come
         self._slot: int | None = None  # the default-port slot its running collate process holds
         self._serial = 0  # epochs started by this loader (the same on every rank: names trace files)
         self._generation = 0  # bumped by every iter() and close(): older iterators are stale
@@ -384,6 +385,7 @@ class ODBDataLoader:
             self._invalidate(f"set_epoch({epoch}) changed the epoch")
         if epoch != self.epoch and self._resume is None:
             self._consumed, self._steps, self._consumed_ids = [], 0, []
+            self._awaiting_total = False
             self._tail = TailPosition(0, ())
             self._recent.clear()
             self._stream_point = None
@@ -430,6 +432,8 @@ class ODBDataLoader:
         if not 0 <= unconsumed <= len(self._recent):
             raise ValueError(f"unconsumed={unconsumed}: only the last {len(self._recent)} yielded batches "
                              "of this epoch can be handed back")
+        if self._awaiting_total and not unconsumed:
+            self._await_epoch_total()
         back = list(self._recent)[len(self._recent) - unconsumed:]
         n_pos, n_steps = sum(b[0] for b in back), sum(b[1] for b in back)
         consumed = self._consumed[: len(self._consumed) - n_pos]
@@ -472,6 +476,23 @@ class ODBDataLoader:
         if tail:  # a pooled epoch's positions: resumable with the pool's position
             state.update(shared_tail=tail, pool_cursor=self._tail.cursor, claimed=list(self._tail.claimed))
         return state
+
+    def _await_epoch_total(self) -> None:
+        """Under ``skip_idle`` a rank's loop ends at its last real batch while its peers go on; the
+        epoch's end, the step boundary a checkpoint after the loop names, is the count the collate
+        process sends once every rank's loop is over (it waits for them: take the state after the
+        epoch, on every rank, as with Join). Without it the ranks' states disagreed on ``steps``
+        and no end-of-epoch checkpoint resumed (P2)."""
+        if self._proc is None:
+            raise LoaderStateError(
+                f"rank {self.rank}: under skip_idle this rank's loop ended before its peers', and the loader was "
+                "closed before the epoch's step count came; take state_dict() before close(), or after "
+                "set_epoch(next epoch)", rank=self.rank)
+        item = self._receive()
+        if isinstance(item, Failure):
+            self._fail(item.error)
+        assert isinstance(item, EpochEnd) and item.steps is not None, f"unexpected message {item!r}"
+        self._steps, self._awaiting_total = item.steps, False
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Resume from :meth:`state_dict` (join mode only).
@@ -536,6 +557,7 @@ class ODBDataLoader:
         assert self._resume is not None
         _, consumed, steps = self._resume
         self._consumed, self._steps = list(consumed), steps
+        self._awaiting_total = False
         self._tail = self._tail_resume or TailPosition(0, ())
         self._order = self._order_resume
         self._recent.clear()
@@ -614,6 +636,7 @@ class ODBDataLoader:
             item = self._receive()
             if isinstance(item, EpochEnd):
                 self._epoch_open, self._completed = False, epoch
+                self._awaiting_total = item.steps is None  # skip_idle: the count follows when every rank is done
                 return
             if isinstance(item, Failure):
                 self._fail(item.error)
@@ -654,6 +677,7 @@ class ODBDataLoader:
         order, self._order = self._order_resume, None
         self._resume = self._stream_start = self._tail_resume = self._order_resume = None
         self._consumed, self._steps = list(skip), first_step
+        self._awaiting_total = False
         self._recent.clear()
         self._ctrl.put(StartEpoch(epoch, tuple(skip), first_step, self._serial, start, tuple(self._consumed_ids),
                                   None if tail is None else (tail.cursor, tail.claimed), order))

@@ -70,6 +70,10 @@ class EpochEnd:
     or the epoch is over)."""
 
     epoch: int
+    steps: int | None = None
+    """The epoch's step count (idle included), sent when the epoch is over; None when this
+    rank's loop ended early (``skip_idle``): a second ``EpochEnd`` with the count follows once
+    every rank's is over (``state_dict`` reads it: the epoch's end is one step boundary, P2)."""
 
 
 @dataclass(frozen=True)

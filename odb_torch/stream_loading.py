@@ -409,12 +409,11 @@ class StreamServer(CollateServer):
         self._open_trace(cmd)
         try:
             self._handshake(driver, {"stream": True, "first_step": cmd.first_step})
-            ended = self._stream_rounds(driver)
+            self._stream_rounds(driver)
         finally:
             self._flush_trace(driver)
             self._close_reader()
-        if not ended:
-            self._put(EpochEnd(cmd.epoch))
+        self._put(EpochEnd(cmd.epoch, driver.next_step))  # the count; after an early end (skip_idle), a second one
 
     def _stream_rounds(self, driver: EpochDriver) -> bool:
         ended = False

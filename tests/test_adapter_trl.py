@@ -78,6 +78,9 @@ def run(tmp: Path, world: int, data: str, save_steps: int = 0, stop_at: int = 0)
     ({"packing": True}, "packing"),
     ({"padding_free": True}, "padding_free"),
     ({"label_smoothing_factor": 0.1}, "label_smoothing_factor"),
+    # accepted and ignored before (ODBTrainer's own refusals, which ODBSFTTrainer runs too)
+    ({"train_sampling_strategy": "group_by_length"}, "train_sampling_strategy"),
+    ({"dataloader_drop_last": True}, "dataloader_drop_last"),
 ])
 def test_refused_sft_settings_name_the_field(example, tmp_path, sft_args, field):
     from odb_core.errors import UnsupportedSettingError

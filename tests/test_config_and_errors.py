@@ -191,3 +191,37 @@ def test_ranks_on_other_epochs_are_told_to_call_set_epoch_alike():
     with pytest.raises(ConfigMismatchError) as info:
         drivers[1].check_hello([d.hello() for d in drivers])
     assert info.value.field == "epoch" and "set_epoch with the same epoch" in str(info.value)
+
+
+@pytest.mark.parametrize(("field", "value"), [("token_budget", 2**63), ("seed", 2**63), ("seed", -(2**63) - 1),
+                                              ("shuffle_steps", "yes"), ("shuffle_steps", 1)])
+def test_the_budget_and_seed_fit_int64_and_shuffle_steps_takes_only_a_bool(field, value):
+    """A budget of 2^63 + 10 passed and then failed mid-epoch as a WireFormatError blaming a rank's
+    header (its room travels in an int64 field); a seed of 2^64 passed and then failed in the
+    sampler's generator; ``shuffle_steps="yes"`` (or ``"off"``, 1) was coerced to a bool."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as err:
+        ODBConfig(**{"token_budget": 10, field: value})
+    assert err.value.errors()[0]["loc"][0] == field
+    assert ODBConfig(token_budget=2**63 - 1, seed=-(2**63)).token_budget == 2**63 - 1
+
+
+def test_form_groups_refuses_a_length_past_2_to_the_40_on_its_fast_path_too():
+    """Plain int lengths skipped the check that other lengths get (pack_groups refused the same list)."""
+    from odb_core.errors import InvalidSampleError
+    from odb_core.grouping import MAX_LENGTH, form_groups
+
+    with pytest.raises(InvalidSampleError, match="sample 1"):
+        form_groups([10, MAX_LENGTH + 1], 100)
+    assert form_groups([10, MAX_LENGTH], 100) == [[0], [1]]
+
+
+def test_a_non_join_epoch_driver_refuses_a_resume_skip_naming_the_mode():
+    """Non-join served the skipped positions again (join left them out)."""
+    from odb_core.epoch import EpochDriver
+    from odb_core.errors import UnsupportedSettingError
+
+    with pytest.raises(UnsupportedSettingError) as err:
+        EpochDriver(ODBConfig(token_budget=10, mode="non-join"), 0, 1, quota=4, skip=[0, 1])
+    assert err.value.field == "mode"

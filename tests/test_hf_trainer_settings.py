@@ -117,3 +117,50 @@ def test_a_batch_without_labels_names_its_samples_for_the_default_loss(tmp_path)
     with pytest.raises(InvalidSampleError, match="has no 'labels'") as err:
         trainer.train()
     assert err.value.rank == 0 and len(err.value.indices) > 0
+
+
+@pytest.mark.parametrize(("setting", "field"), [
+    ({"train_sampling_strategy": "sequential"}, "train_sampling_strategy"),
+    ({"train_sampling_strategy": "group_by_length"}, "train_sampling_strategy"),
+    ({"dataloader_drop_last": True}, "dataloader_drop_last"),
+    ({"include_num_input_tokens_seen": "non_padding"}, "include_num_input_tokens_seen"),
+])
+def test_settings_that_pick_the_order_drop_samples_or_count_idle_tokens_are_refused(setting, field, tmp_path):
+    """Each was accepted and ignored: a 'sequential' run trained a shuffled order, drop_last dropped
+    nothing, and the token counter added the zero-weight micro-batches' tokens (16% over)."""
+    with pytest.raises(UnsupportedSettingError) as err:
+        ODBTrainer(model=tiny(), args=arguments(tmp_path, **setting), train_dataset=TokenDataset(24),
+                   token_budget=256, odb_kwargs=ODB)
+    assert tuple(err.value.fields) == (field,)
+
+
+class _Sequential(ODBTrainer):
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+        return torch.utils.data.SequentialSampler(self.train_dataset)
+
+
+class _Plain(ODBTrainer):
+    pass
+
+
+def test_a_subclass_overriding_get_train_sampler_is_refused_one_that_does_not_is_not(tmp_path):
+    """Trainer's documented hook for the order was never called (0 calls), silently."""
+    with pytest.raises(UnsupportedSettingError) as err:
+        _Sequential(model=tiny(), args=arguments(tmp_path), train_dataset=TokenDataset(24), token_budget=256,
+                    odb_kwargs=ODB)
+    assert tuple(err.value.fields) == ("_get_train_sampler",)
+    assert _Plain(model=tiny(), args=arguments(tmp_path), train_dataset=TokenDataset(24), token_budget=256,
+                  odb_kwargs=ODB).odb_token_budget == 256
+
+
+@pytest.mark.parametrize(("seeds", "expected"), [({"seed": 5}, 5), ({"seed": 5, "data_seed": 123}, 123)])
+def test_the_loader_is_seeded_with_data_seed_when_given(seeds, expected, tmp_path):
+    """Trainer seeds its sampler with data_seed when set; ODBTrainer used args.seed, so two runs of
+    different data_seed trained the same order."""
+    trainer = ODBTrainer(model=tiny(), args=arguments(tmp_path, **seeds), train_dataset=TokenDataset(24),
+                         token_budget=256, odb_kwargs=ODB)
+    trainer.get_train_dataloader()
+    try:
+        assert trainer.odb_windows is not None and trainer.odb_windows.loader.config.seed == expected
+    finally:
+        trainer.odb_windows.loader.close()

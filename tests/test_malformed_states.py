@@ -66,9 +66,9 @@ def test_stream_identities_that_are_not_distinct_integers_of_this_key_are_refuse
 MAP_CASES = [
     (OWN | {"consumed": ["x"]}, "consumed"), (OWN | {"steps": "x"}, "steps"),
     (_without(GLOBAL, "consumed"), "consumed"), (_without(GLOBAL, "total"), "total"),
-    (GLOBAL | {"consumed": ["x"]}, "state"), (GLOBAL | {"order_world": 0}, "state"),
-    ([OWN | {"world_size": 3, "order_world": 3, "total": 42, "rank": r} for r in ("a", 1, 2)], "state"),
-    ([OWN | {"world_size": 3, "order_world": 3, "total": 42, "rank": r} for r in (None, 1, 2)], "state"),
+    (GLOBAL | {"consumed": ["x"]}, "consumed"), (GLOBAL | {"order_world": 0}, "order_world"),
+    ([OWN | {"world_size": 3, "order_world": 3, "total": 42, "rank": r} for r in ("a", 1, 2)], "rank"),
+    ([OWN | {"world_size": 3, "order_world": 3, "total": 42, "rank": r} for r in (None, 1, 2)], "rank"),
     ([1, 2, 3], "state"),
 ]
 

@@ -150,7 +150,7 @@ def test_a_merged_state_with_a_repeated_position_is_refused():
 
 # W12 (wire.py:179, HeaderGather.belongs_to ignores the header length)
 def test_a_header_gather_of_another_length_does_not_belong():
-    gather = HeaderGather([Header(0, 0, Status.WAITING, 0, 0, 0, 0)], 0, 0, HEADER_LEN)
+    gather = HeaderGather.decode([Header(0, 0, Status.WAITING, 0, 0, 0, 0).encode(HEADER_LEN)], 1, 0, 0, HEADER_LEN)
     assert gather.belongs_to(1, 0, 0, HEADER_LEN)
     assert not gather.belongs_to(1, 0, 0, TAIL_HEADER_LEN)
 

@@ -50,6 +50,28 @@ def test_a_same_world_state_of_another_dataset_size_is_refused_naming_total():
     _loader(n=40).load_state_dict(_own(total=40))  # the fitting one is accepted
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_states_of_another_dataset_size_with_the_same_padded_total_are_refused_on_every_path(world):
+    """Ten samples at W=2 pad to 10 views, and nine do too: a list of the 10-sample run's states
+    resumed over 9 samples on 1 rank was accepted (the total matched; the elastic path dropped the
+    order digest) and trained samples 1, 4 and 8 twice, 0 and 3 never. ``state_dict`` now records
+    the dataset's size, and every resume compares it (P4)."""
+    states = [_own(rank=r, total=10, dataset_size=10, consumed=[0]) for r in range(2)]
+    with pytest.raises(ResumeStateError) as err:
+        _loader(n=9, world=world).load_state_dict(states)
+    assert err.value.field == "dataset_size" and err.value.rank == 0
+    _loader(n=10, world=world).load_state_dict(states)  # the fitting one is accepted
+    if world == 2:
+        with pytest.raises(ResumeStateError) as own:
+            _loader(n=9).load_state_dict(states[0])
+        assert own.value.field == "dataset_size"
+
+
+def test_state_dict_records_the_dataset_size():
+    loader = _loader(n=37)
+    assert loader.state_dict()["dataset_size"] == 37
+
+
 def test_a_same_world_share_of_another_dataset_is_refused_before_the_epoch_starts():
     share = _own(world=2, views=list(range(20, 40)), pool=20, order_world=1, total=40)
     with pytest.raises(ResumeStateError) as err:

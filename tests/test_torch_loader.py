@@ -257,6 +257,11 @@ def test_skip_idle_under_join_ends_a_finished_rank_early_without_deadlock(tmp_pa
         assert counts[0] >= counts[1] + 10, f"rank 1 should run far fewer batches than rank 0, got {counts}"
         ids = [i for r in results for batch in r["epochs"][epoch] for i in batch]
         assert sorted(ids) == list(range(n)), f"P4: epoch {epoch} under Join trains every sample once"
+        # the states after the epoch name one step boundary, its end (rank 1's said its own last
+        # real step, and no end-of-epoch checkpoint under skip_idle resumed: ranks disagreed on steps)
+        states = [r["states"][epoch] for r in results]
+        assert states[0]["steps"] == states[1]["steps"] >= counts[0], [s["steps"] for s in states]
+        assert [len(s["consumed"]) for s in states] == [36, 4], "the epoch's end: every view consumed"
 
 
 @pytest.mark.parametrize("tail", [0.0, 0.3])

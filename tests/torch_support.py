@@ -230,7 +230,7 @@ def run_task(loader: ODBDataLoader, task: dict[str, Any], rank: int, world: int,
     if kind == "audit":
         audit_epochs(loader, task, result)
     elif kind == "join":
-        result["epochs"] = join_epochs(loader, task["epochs"])
+        result["epochs"], result["states"] = join_epochs(loader, task["epochs"])
     elif kind == "grad":
         result["max_err"] = grad_check(loader, world)
     elif kind == "resume":
@@ -341,14 +341,15 @@ def elastic_stage(loader: ODBDataLoader, task: dict[str, Any], rank: int) -> dic
     return {**out, "steps": steps}
 
 
-def join_epochs(loader: ODBDataLoader, epochs: int) -> list[list[list[int]]]:
+def join_epochs(loader: ODBDataLoader, epochs: int) -> tuple[list[list[list[int]]], list[dict[str, Any]]]:
     """Train a DDP TinyLM under torch's ``Join`` with ``skip_idle`` batches; per epoch, the
-    indices of every batch this rank trained."""
+    indices of every batch this rank trained, and the loader's state after the epoch."""
     from torch.distributed.algorithms.join import Join
 
     ddp = torch.nn.parallel.DistributedDataParallel(TinyLM())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     trained: list[list[list[int]]] = []
+    states: list[dict[str, Any]] = []
     for epoch in range(epochs):
         loader.set_epoch(epoch)
         steps: list[list[int]] = []
@@ -361,7 +362,8 @@ def join_epochs(loader: ODBDataLoader, epochs: int) -> list[list[list[int]]]:
                 opt.zero_grad()
                 steps.append(batch["idx"].tolist())
         trained.append(steps)
-    return trained
+        states.append(loader.state_dict())  # after the Join: every rank's loop is over
+    return trained, states
 
 
 def grad_check(loader: ODBDataLoader, world: int) -> float:

@@ -257,6 +257,29 @@ def scheduler_kwargs_problems(args: Any) -> list[tuple[str, str]]:
                                     "that many samples; use a shape without them (linear, cosine, constant...)")]
 
 
+def sampling_problems(args: Any, trainer_cls: type, odb_cls: type) -> list[tuple[str, str]]:
+    """``(field, why)`` for each ``TrainingArguments`` setting, and ``Trainer`` hook, that picks
+    the training order or drops samples, which ODB decides instead (P4: every sample once): they
+    were accepted and ignored. ``trainer_cls``: the trainer's class; ``odb_cls``: the ODB class it
+    derives from (a user's ``_get_train_sampler`` override was never called)."""
+    problems = []
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if strategy != "random":
+        problems.append(("train_sampling_strategy", f"train_sampling_strategy={strategy!r}: ODB forms its batches "
+                         "from a shuffled DistributedSampler order by token budget; for another order pass "
+                         "odb_kwargs={'sampler': ...}"))
+    if getattr(args, "dataloader_drop_last", False):
+        problems.append(("dataloader_drop_last", "dataloader_drop_last=True: ODB trains every sample once per epoch "
+                         "(no partial batch to drop); set it False"))
+    if getattr(args, "include_num_input_tokens_seen", "no") not in ("no", False, None):
+        problems.append(("include_num_input_tokens_seen", "Trainer would count the tokens of ODB's zero-weight "
+                         "(idle and padding) micro-batches too; the logs' odb_tokens_seen counts those trained"))
+    if getattr(trainer_cls, "_get_train_sampler", None) is not getattr(odb_cls, "_get_train_sampler", None):
+        problems.append(("_get_train_sampler", f"{trainer_cls.__name__} overrides _get_train_sampler, which "
+                         "ODB's loader never calls; pass the sampler as odb_kwargs={'sampler': ...}"))
+    return problems
+
+
 def refuse(who: str, problems: list[tuple[str, str]]) -> None:
     """Raise :class:`UnsupportedSettingError` naming every field of ``problems``, if any."""
     if problems:
@@ -279,9 +302,10 @@ def check_loader_keywords(who: str, odb_kwargs: Mapping[str, Any]) -> None:
 
 
 def check_arguments(who: str, args: Any, warmup_samples: int | None, odb_kwargs: Mapping[str, Any],
-                    kwargs: Mapping[str, Any]) -> None:
+                    kwargs: Mapping[str, Any], classes: tuple[type, type] | None = None) -> None:
     """Refuse what ODBTrainer cannot run: ``ValueError`` for missing or step-counted arguments,
-    :class:`UnsupportedSettingError` naming the fields for settings it would silently drop."""
+    :class:`UnsupportedSettingError` naming the fields for settings it would silently drop.
+    ``classes``: the trainer's class and the ODB class it derives from (:func:`sampling_problems`)."""
     if args is None:
         raise ValueError(f"{who} needs TrainingArguments (args=...)")
     if args.max_steps > 0:
@@ -294,7 +318,8 @@ def check_arguments(who: str, args: Any, warmup_samples: int | None, odb_kwargs:
     if kwargs.get("train_dataset") is None:
         raise ValueError(f"{who} needs a train_dataset (keyword)")
     check_loader_keywords(who, odb_kwargs)
-    refuse(who, loss_setting_problems(args, kwargs) + step_fraction_problems(args) + scheduler_kwargs_problems(args))
+    refuse(who, loss_setting_problems(args, kwargs) + step_fraction_problems(args) + scheduler_kwargs_problems(args)
+           + (sampling_problems(args, *classes) if classes else []))
 
 
 class ODBTrainer(Trainer):
@@ -305,7 +330,7 @@ class ODBTrainer(Trainer):
         odb_kwargs: further :class:`~odb_torch.ODBDataLoader` keywords (``buffer_size``,
             ``length_fn``, ``timeout``, ...). ``num_workers`` defaults to
             ``args.dataloader_num_workers``, ``pin_memory`` to ``args.dataloader_pin_memory``,
-            ``seed`` to ``args.seed``, ``loss_tokens_fn`` to
+            ``seed`` to ``args.data_seed`` (else ``args.seed``), as Trainer seeds its sampler, ``loss_tokens_fn`` to
             :func:`~odb_torch.losses.shifted_loss_tokens`, ``collate_fn`` to the
             ``data_collator`` (default :func:`~odb_torch.pad_collate`; under ``budget="packed"``
             :func:`~odb_torch.packed_collate`, and a model that would let packed sequences attend
@@ -323,7 +348,10 @@ class ODBTrainer(Trainer):
     ``args.ignore_data_skip`` is forced on in a private copy of ``args`` (ODB resumes its
     own position instead of replaying batches). Join mode only. Refused with
     :class:`~odb_core.errors.UnsupportedSettingError` naming the fields: ``label_smoothing_factor``
-    > 0 and ``compute_loss_func`` (per-batch means, not ODB's summed loss) and a ``logging_steps``,
+    > 0 and ``compute_loss_func`` (per-batch means, not ODB's summed loss), settings that pick the order or
+    drop samples (``train_sampling_strategy`` other than ``"random"``, ``dataloader_drop_last``, an
+    override of ``_get_train_sampler``), ``include_num_input_tokens_seen`` (it would count the
+    zero-weight micro-batches' tokens), and a ``logging_steps``,
     ``save_steps`` or ``eval_steps`` < 1 under a ``"steps"`` strategy (a fraction of an unknown
     step count). Training ends after ``num_train_epochs`` on every rank alike, with a checkpoint
     and an evaluation when their strategy is ``"steps"`` (HF's at ``max_steps``); resumed at its end
@@ -335,7 +363,8 @@ class ODBTrainer(Trainer):
                  warmup_samples: int | None = None, **kwargs: Any) -> None:
         training_args = args
         odb_kwargs = dict(odb_kwargs or {})
-        check_arguments(type(self).__name__, training_args, warmup_samples, odb_kwargs, kwargs)
+        odb_cls = next(c for c in type(self).__mro__ if c.__module__.startswith("odb_torch."))
+        check_arguments(type(self).__name__, training_args, warmup_samples, odb_kwargs, kwargs, (type(self), odb_cls))
         train_dataset = kwargs["train_dataset"]
         collator = kwargs.get("data_collator")
         self.odb_token_budget = token_budget
@@ -389,7 +418,8 @@ class ODBTrainer(Trainer):
     def get_train_dataloader(self) -> Any:
         """ODB batches in windows of ``gradient_accumulation_steps`` (the loader is built once per ``train()``)."""
         if self.odb_windows is None:
-            kw: dict[str, Any] = {"num_workers": self.args.dataloader_num_workers, "seed": self.args.seed,
+            seed = self.args.seed if self.args.data_seed is None else self.args.data_seed  # Trainer's sampler seed
+            kw: dict[str, Any] = {"num_workers": self.args.dataloader_num_workers, "seed": seed,
                                   "pin_memory": self.args.dataloader_pin_memory,
                                   "loss_tokens_fn": shifted_loss_tokens, "collate_fn": self.odb_collate,
                                   **self.odb_kwargs}
