@@ -72,7 +72,7 @@ from odb_torch.loader_options import (
 )
 from odb_torch.losses import shifted_loss_tokens
 from odb_torch.messages import Batch, EpochEnd, Failure, Reply, StartEpoch, Stop, decode
-from odb_torch.padding_free import packed_collate
+from odb_torch.padding_free import packed_collate, unwrapped
 from odb_torch.pinning import pin_batch, pinning_available
 from odb_torch.process_guard import close_at_exit
 from odb_torch.shared_tail import check_tail_sampler
@@ -210,8 +210,9 @@ class ODBDataLoader:
             ``set_epoch``); default ``DistributedSampler(drop_last=False)``.
         length_fn: a sample's length (default ``len(sample["input_ids"])``).
         loss_tokens_fn: a sample's loss tokens (default: labels != -100 if it has
-            labels, else its length; with ``collate_fn=packed_collate``, whose first label per
-            sample is -100: ``losses.shifted_loss_tokens``, what a loss over its rows counts).
+            labels, else its length; with ``collate_fn=packed_collate`` (or a ``functools.partial``
+            of it), whose first label per sample is -100: ``losses.shifted_loss_tokens``, what a loss
+            over its rows counts; a function that calls ``packed_collate`` needs it passed).
         shuffle_steps: each rank emits a round's steps in a seeded order of its own
             (default True; ``ODBConfig.shuffle_steps``), fixed before the ranks exchange
             step sizes, so pairing and loss weights hold (P2, P7) while a global step mixes
@@ -315,8 +316,15 @@ class ODBDataLoader:
         check_rank_sampler(self.sampler, rank, world_size)
         if self.config.shared_tail:  # the pool is cut from the sampler's global order
             check_tail_sampler(self.sampler, rank, world_size)
-        if loss_tokens_fn is None and collate_fn is packed_collate:  # its rows count no first label (P7)
+        if loss_tokens_fn is None and unwrapped(collate_fn) is packed_collate:  # its rows count no first label (P7)
             loss_tokens_fn = shifted_loss_tokens
+        elif loss_tokens_fn is None and collate_fn is not None and self.config.budget == "packed":
+            warnings.warn(ODBWarning(
+                f"rank {rank}: budget='packed' with collate_fn={getattr(collate_fn, '__name__', collate_fn)!r} and no "
+                "loss_tokens_fn: each sample's loss tokens are its labels != -100; if the collate masks every "
+                "sequence's first label as packed_collate does (a function calling it), pass "
+                "loss_tokens_fn=odb_torch.losses.shifted_loss_tokens, else the loss scale counts one token per "
+                "sample too many (P7)"), stacklevel=2)
         self._spec = CollateSpec(
             dataset=dataset, collate_fn=collate_fn or default_collate, length_fn=length_fn,
             loss_tokens_fn=loss_tokens_fn, config=self.config, rank=rank, world=world_size,

@@ -126,6 +126,33 @@ def test_the_check_accepts_exactly_the_cpu_combinations_that_keep_sequences_apar
         assert isinstance(err.value, ODBError)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_a_bidirectional_config_is_refused_its_sequences_mix(family, impl):
+    """``config.is_causal=False`` makes transformers' mask builder return a bidirectional mask
+    built without position_ids: a packed sequence's logits moved by 0.08 with its neighbour's
+    tokens, and the check accepted it."""
+    model = tiny_model(family, impl)
+    model.config.is_causal = False
+    assert not separated(model)
+    with pytest.raises(PackedAttentionError, match="is_causal=False") as err:
+        check_packed_attention(model)
+    assert (err.value.model_class, err.value.attn_implementation) == (type(model).__name__, impl)
+
+
+def test_gemmas_bidirectional_attention_is_refused():
+    """Gemma with ``use_bidirectional_attention``: alone, a sequence attends both ways; in a packed
+    row it is masked causally, so the row's logits are not its sequences' (0.07 apart)."""
+    config = transformers.GemmaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, use_cache=False,
+                                      use_bidirectional_attention=True, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.GemmaForCausalLM(config).double().eval()
+    assert not separated(model)
+    with pytest.raises(PackedAttentionError, match="use_bidirectional_attention"):
+        check_packed_attention(model)
+
+
 def test_flash_attention_is_accepted_whatever_the_cache():
     """Flash kernels read the boundaries from cu_seq_lens / position_ids (read from the code:
     transformers.modeling_flash_attention_utils; not run: no flash-attn here)."""

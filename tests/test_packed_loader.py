@@ -30,3 +30,23 @@ def test_the_loader_runs_the_packed_budget_from_config():
     assert sorted(n for g in groups for n in g) == sorted(sample_length(i) for i in range(60))
     assert all(sum(g) <= 128 for g in groups if len(g) >= 2)
     assert any(len(g) >= 2 and max(g) * len(g) > 128 for g in groups), "nothing the padded budget would refuse"
+
+
+def test_a_partial_of_packed_collate_counts_as_packed_collate_and_another_collate_is_warned():
+    """A ``functools.partial(packed_collate)`` got the unshifted default count: one loss token per
+    sample more than a loss over its rows sums (P7), silently. A collate ODB cannot see into (a
+    function calling packed_collate) under the packed budget is now warned about."""
+    import functools
+
+    import pytest
+
+    from odb_core.errors import ODBWarning
+    from odb_torch.losses import shifted_loss_tokens
+
+    config = ODBConfig(token_budget=128, buffer_size=16, budget="packed")
+    kw = dict(config=config, num_workers=0, rank=0, world_size=1, timeout=60, init_method="tcp://127.0.0.1:1")
+    partial = ODBDataLoader(ToyDataset(8), collate_fn=functools.partial(packed_collate), **kw)
+    assert partial._spec.loss_tokens_fn is shifted_loss_tokens
+    with pytest.warns(ODBWarning, match="shifted_loss_tokens"):
+        wrapped = ODBDataLoader(ToyDataset(8), collate_fn=lambda group: packed_collate(group), **kw)
+    assert wrapped._spec.loss_tokens_fn is None
