@@ -212,6 +212,9 @@ WORLD_KEY = "odb/world"
 """The store key holding rank 0's world size (every rank compares its own: :func:`_check_world`)."""
 FAILED_KEY = "odb/failed"
 """The store keys (``odb/failed/<rank>``) where a failing rank reports its error to its peers."""
+JOINED_KEY = "odb/joined"
+"""The store keys (``odb/joined/<rank>``) each rank sets once it reached the store: a rendezvous
+that times out names the ranks that never did."""
 
 
 def _collate_group(spec: CollateSpec) -> tuple[Any, Any]:
@@ -229,14 +232,27 @@ def _collate_group(spec: CollateSpec) -> tuple[Any, Any]:
     else:
         store = _join_store(spec, url.hostname, url.port, time.monotonic() + spec.timeout)
         _check_world(spec, store)
+    store.set(f"{JOINED_KEY}/{spec.rank}", "1")
     try:
         return store, ProcessGroupGloo(store, spec.rank, spec.world, timeout)
     except Exception as exc:
         reports = store_reports(store, spec.world, spec.rank)
-        if not reports:
+        absent = [] if reports else absent_ranks(store, spec.world)
+        if not reports and not absent:
             raise
-        raise PeerError(f"rank {spec.rank}: collate group rendezvous at {spec.init_method} failed "
-                        f"({failures(reports)}): {exc}", rank=spec.rank, ranks=sorted(reports)) from None
+        why = failures(reports) if reports else (
+            f"ranks {absent} never joined it within timeout={spec.timeout:g}s: their loaders were not created or "
+            "iterated, or their collate processes failed before; every rank iterates its loader for each epoch")
+        raise PeerError(f"rank {spec.rank}: collate group rendezvous at {spec.init_method} failed ({why}): {exc}",
+                        rank=spec.rank, ranks=sorted(reports) or absent) from None
+
+
+def absent_ranks(store: Any, world: int) -> list[int]:
+    """The ranks that never set their :data:`JOINED_KEY` in the store (empty if it cannot be read)."""
+    try:
+        return [r for r in range(world) if not store.check([f"{JOINED_KEY}/{r}"])]
+    except Exception:  # the store left with rank 0
+        return []
 
 
 def _check_world(spec: CollateSpec, store: Any) -> None:
@@ -289,7 +305,12 @@ def _join_store(spec: CollateSpec, host: str, port: int, deadline: float) -> Any
     ``ConfigMismatchError`` (``field="start"``) at once, not a wait for the deadline."""
     found = "none (no store answered)"
     while True:
-        await_listener(host, port, max(deadline - time.monotonic(), 0.0))
+        try:
+            await_listener(host, port, max(deadline - time.monotonic(), 0.0))
+        except TimeoutError as exc:
+            if found.isdigit():  # a store of another start answered, then none
+                raise TimeoutError(_starts_differ(host, port, found, spec.start)) from None
+            raise _rank0_absent(spec, host, port, str(exc)) from None
         try:
             store = TCPStore(host, port, spec.world, False, timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
             found = store.get(START_KEY).decode()
@@ -301,9 +322,19 @@ def _join_store(spec: CollateSpec, host: str, port: int, deadline: float) -> Any
         if found.isdigit() and int(found) > spec.start:  # rank 0 is at a later start than this rank
             raise ConfigMismatchError(_starts_differ(host, port, found, spec.start), rank=spec.rank, field="start",
                                       ranks=(0,))
+        if time.monotonic() >= deadline and not found.isdigit():
+            raise _rank0_absent(spec, host, port, "no store answered")
         if time.monotonic() >= deadline:
             raise TimeoutError(_starts_differ(host, port, found, spec.start))
         time.sleep(0.05)  # rank 0's previous start is still closing
+
+
+def _rank0_absent(spec: CollateSpec, host: str, port: int, seen: str) -> PeerError:
+    """Rank 0 never served its store (``seen``: what the wait found by the deadline): a ``PeerError`` naming it."""
+    return PeerError(f"rank {spec.rank}: rank 0 never served the collate group's store at {host}:{port} within "
+                     f"timeout={spec.timeout:g}s ({seen}): its loader was not created or iterated, or its collate "
+                     "process failed before; every rank iterates its loader for each epoch", rank=spec.rank,
+                     ranks=(0,))
 
 
 def _starts_differ(host: str, port: int, found: str, start: int) -> str:

@@ -142,6 +142,29 @@ def test_ranks_that_disagree_on_world_size_are_told_so(tmp_path):
     assert "rank 1 failed: ConfigMismatchError" in rank0["message"], rank0
 
 
+def _absent_rank(absent: int, rank: int, port: int, out: str) -> None:
+    if rank == absent:  # this rank never creates its loader (it crashed earlier, or skipped the epoch)
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"absent": True}))
+        return
+    _one_epoch(rank, out, ToyDataset(40), timeout=3, init_method=f"tcp://127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize("absent", [0, 1])
+@pytest.mark.timeout(120)
+def test_a_rank_that_never_iterates_its_loader_is_named_by_the_others(absent, tmp_path):
+    """A rank that never created or iterated its loader: its peer got, after its timeout, a
+    PeerError naming no rank ("DistStoreError: wait timeout after 3000ms, keys: /0/1", or rank 0's
+    store "serves start none (no store answered)" blaming another loader on the port). It now
+    names the absent rank (``ranks``) and says what it did not do."""
+    import functools
+
+    fork_two_ranks(functools.partial(_absent_rank, absent), tmp_path)
+    peer = json.loads((tmp_path / f"rank{1 - absent}.json").read_text())
+    assert peer.get("error") == "PeerError" and peer["ranks"] == [absent], peer
+    said = "ranks [1] never joined it" if absent == 1 else "rank 0 never served the collate group's store"
+    assert said in peer["message"] and "not created or iterated" in peer["message"], peer
+
+
 class _LongOnRank0(ToyDataset):
     """Rank 0's samples (even indices, unshuffled) 200 tokens, rank 1's 6: rank 1's loop ends first."""
 
