@@ -104,6 +104,10 @@ def _is_int(value: Any, least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
+def _of_rank(rank: int | None) -> str:
+    return "" if rank is None else f" (rank {rank})"
+
+
 def _check_field_types(state: Mapping[str, Any], place: int) -> None:
     """:class:`ResumeStateError` naming the first field of ``state`` (``place``: its index in the
     list) that is not what a loader's ``state_dict`` writes: integers, not strings, floats or
@@ -113,14 +117,14 @@ def _check_field_types(state: Mapping[str, Any], place: int) -> None:
              "pool_size": 0, "seed": -(2**63)}
     for key, low in least.items():
         if key in state and not _is_int(state[key], low):
-            raise ResumeStateError(f"loader state {place}: {key}={state[key]!r} is not an integer >= {low}",
-                                   field=key, ranks=[place], rank=rank)
-    check_counts(state, place if rank is None else rank)
+            raise ResumeStateError(f"loader state {place}{_of_rank(rank)}: {key}={state[key]!r} is not an integer "
+                                   f">= {low}", field=key, ranks=[] if rank is None else [rank], rank=rank)
+    check_counts(state, state["rank"])  # a valid rank: checked above
     for key in ("views", "claimed"):
         values = state.get(key)
         if values is not None and (not isinstance(values, (list, tuple)) or not all(_is_int(v, 0) for v in values)):
-            raise ResumeStateError(f"loader state {place}: {key}={str(values)[:60]} is not a list of integers >= 0",
-                                   field=key, ranks=[place], rank=rank)
+            raise ResumeStateError(f"loader state {place}{_of_rank(rank)}: {key}={str(values)[:60]} is not a list "
+                                   "of integers >= 0", field=key, ranks=[] if rank is None else [rank], rank=rank)
 
 
 def _agreed(states: Sequence[Mapping[str, Any]]) -> dict[str, int]:

@@ -304,26 +304,27 @@ def _join_store(spec: CollateSpec, host: str, port: int, deadline: float) -> Any
     rank's is that mismatch for certain (rank 0's trainer started more collate groups than this rank's): a
     ``ConfigMismatchError`` (``field="start"``) at once, not a wait for the deadline."""
     found = "none (no store answered)"
+    listened = False  # something listened on the port: rank 0 came, or another service serves it
     while True:
         try:
             await_listener(host, port, max(deadline - time.monotonic(), 0.0))
         except TimeoutError as exc:
-            if found.isdigit():  # a store of another start answered, then none
+            if listened:  # a store of another start (or no ODB store) answered, then none
                 raise TimeoutError(_starts_differ(host, port, found, spec.start)) from None
             raise _rank0_absent(spec, host, port, str(exc)) from None
+        listened = True
         try:
             store = TCPStore(host, port, spec.world, False, timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
             found = store.get(START_KEY).decode()
         except RuntimeError:  # c10d's errors: the previous start's store closed as it was asked
             store = None
+            found = found if found.isdigit() else "none (something listens there, but no ODB store answered)"
         if store is not None and found == str(spec.start):
             return store
         del store
         if found.isdigit() and int(found) > spec.start:  # rank 0 is at a later start than this rank
             raise ConfigMismatchError(_starts_differ(host, port, found, spec.start), rank=spec.rank, field="start",
                                       ranks=(0,))
-        if time.monotonic() >= deadline and not found.isdigit():
-            raise _rank0_absent(spec, host, port, "no store answered")
         if time.monotonic() >= deadline:
             raise TimeoutError(_starts_differ(host, port, found, spec.start))
         time.sleep(0.05)  # rank 0's previous start is still closing

@@ -171,6 +171,16 @@ that the collate process's own, more precise timeouts (collate group, DataLoader
 both ``timeout``) report first."""
 
 
+EPOCH_END_PATIENCE = 30.0
+"""Seconds a ``skip_idle`` rank whose loop ended early waits in :meth:`ODBDataLoader.state_dict` for the
+epoch's step count (at most its ``timeout``): once every rank's loop is over its collate process
+reports it within a round or two, milliseconds."""
+
+
+class _NoMessage(Exception):
+    """No message from the collate process within the patience :meth:`ODBDataLoader._receive` was given."""
+
+
 class ODBDataLoader:
     """Online Dynamic Batching over a map-style dataset or a stream, under DDP or alone.
 
@@ -491,14 +501,24 @@ class ODBDataLoader:
         process sends once every rank's loop is over (it waits for them: take the state after the
         epoch, on every rank, as with Join). Without it the ranks' states disagreed on ``steps``
         and no end-of-epoch checkpoint resumed (P2)."""
+        why = (f"rank {self.rank}: under skip_idle this rank's loop ended before its peers', and a state names the "
+               "epoch's end, whose step count its collate process reports once every rank's loop is over")
+        advice = ("take state_dict() on every rank after every rank's loop ran to the epoch's end (after the Join), "
+                  "or after set_epoch(next epoch) (a break at max_steps leaves the epoch unfinished)")
         if self._proc is None:
-            raise LoaderStateError(
-                f"rank {self.rank}: under skip_idle this rank's loop ended before its peers', and the loader was "
-                "closed before the epoch's step count came; take state_dict() before close(), or after "
-                "set_epoch(next epoch)", rank=self.rank)
-        item = self._receive()
+            raise LoaderStateError(f"{why}; the loader was closed before it came: {advice}", rank=self.rank)
+        patience = min(self.timeout, EPOCH_END_PATIENCE)
+        try:
+            item = self._receive(patience)
+        except _NoMessage:
+            raise LoaderStateError(f"{why}; it did not come within {patience:g}s (a peer still training, or one "
+                                   f"that left the epoch early): {advice}", rank=self.rank) from None
         if isinstance(item, Failure):
-            self._fail(item.error)
+            error = item.error
+            if isinstance(error, PeerError):  # a peer left the epoch (a break) and its group stopped gathering
+                error = PeerError(f"{why}; the collate group failed first ({error}): {advice}", rank=self.rank,
+                                  ranks=error.ranks)
+            self._fail(error)
         assert isinstance(item, EpochEnd) and item.steps is not None, f"unexpected message {item!r}"
         self._steps, self._awaiting_total = item.steps, False
 
@@ -703,9 +723,10 @@ class ODBDataLoader:
                                  f"failed ({type(exc).__name__}: {exc}); pass pin_memory=False, or leave page-locked "
                                  "memory free", rank=self.rank, indices=item.info.indices) from exc
 
-    def _receive(self) -> Reply:
-        """The collate process's next message; a typed error if it died or stayed silent."""
-        deadline = time.monotonic() + self.timeout * SILENCE_GRACE
+    def _receive(self, patience: float | None = None) -> Reply:
+        """The collate process's next message; a typed error if it died or stayed silent
+        (``patience``: seconds after which :class:`_NoMessage` is raised instead)."""
+        deadline = time.monotonic() + (self.timeout * SILENCE_GRACE if patience is None else patience)
         inbox, proc = self._inbox, self._proc
         while True:
             if inbox is None or proc is None or self._proc is not proc:  # close() from another thread
@@ -725,6 +746,8 @@ class ODBDataLoader:
                     continue
                 if not proc.is_alive():
                     self._fail(self._death())
+                if time.monotonic() > deadline and patience is not None:
+                    raise _NoMessage from None
                 if time.monotonic() > deadline:
                     self._dump_collate_stacks()
                     self._fail(PeerError(

@@ -247,7 +247,7 @@ def check_packed_attention(model: torch.nn.Module, device: str | torch.device | 
 
 
 def _bidirectional_setting(config: Any) -> str | None:
-    """``"is_causal=False"`` or ``"use_bidirectional_attention=True"`` when the model's (or its text
+    """``"is_causal=False"`` or ``"use_bidirectional_attention=True"`` (or ``'all'``) when the model's (or its text
     model's) config asks for bidirectional attention, else None. ``transformers``'
     ``create_causal_mask`` then returns a bidirectional mask built without ``position_ids``
     (``config.is_causal=False`` moved a packed sequence's logits by 0.08 on Llama and Qwen2:
@@ -256,8 +256,9 @@ def _bidirectional_setting(config: Any) -> str | None:
     for cfg in (config, text):
         if getattr(cfg, "is_causal", True) is False:
             return "is_causal=False"
-        if getattr(cfg, "use_bidirectional_attention", False):
-            return "use_bidirectional_attention=True"
+        both = getattr(cfg, "use_bidirectional_attention", None)
+        if both is True or both == "all":  # Gemma 4's "vision" is bidirectional over image tokens only
+            return f"use_bidirectional_attention={both!r}"
     return None
 
 

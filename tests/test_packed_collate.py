@@ -153,6 +153,26 @@ def test_gemmas_bidirectional_attention_is_refused():
         check_packed_attention(model)
 
 
+@pytest.mark.parametrize(("mode", "apart"), [(None, True), ("vision", True), ("all", False)])
+def test_gemma4_is_refused_only_when_its_text_attends_both_ways(mode, apart):
+    """Gemma 4's ``use_bidirectional_attention="vision"`` makes only image tokens attend both ways:
+    its text model keeps packed sequences apart, yet was refused as bidirectional; ``"all"``
+    mixes them and stays refused."""
+    config = transformers.Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, global_head_dim=8, hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=VOCAB, use_cache=False, use_bidirectional_attention=mode,
+        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(config).double().eval()
+    assert separated(model) == apart
+    if apart:
+        assert check_packed_attention(model) == "sdpa"
+    else:
+        with pytest.raises(PackedAttentionError):
+            check_packed_attention(model)
+
+
 def test_flash_attention_is_accepted_whatever_the_cache():
     """Flash kernels read the boundaries from cu_seq_lens / position_ids (read from the code:
     transformers.modeling_flash_attention_utils; not run: no flash-attn here)."""

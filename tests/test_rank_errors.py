@@ -212,3 +212,69 @@ def test_a_break_at_max_steps_under_skip_idle_restarts_every_rank_for_the_next_e
     assert len(ranks[0]["epochs"][0]) == 45 > len(ranks[1]["epochs"][0]), "rank 1's loop ended first in epoch 0"
     second = [ids for r in ranks for step in r["epochs"][1] for ids in step]
     assert sorted(second) == list(range(120)), "epoch 1: every sample once"
+
+
+@pytest.mark.timeout(60)
+def test_another_service_on_the_collate_port_is_not_blamed_on_an_absent_rank_0():
+    """A store that is not ODB's answers at rank 1's init_method: the error says something else
+    serves the port (another loader, or the ranks' restarts), not that rank 0 never came."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from odb_core.errors import PeerError
+    from odb_torch.ports import free_port
+
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=30))  # someone else's store
+    loader = ODBDataLoader(ToyDataset(20), token_budget=64, rank=1, world_size=2, num_workers=0, timeout=3,
+                           init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        with pytest.raises(PeerError) as err:
+            next(iter(loader))
+    finally:
+        loader.close()
+        del server
+    assert "no ODB store answered" in str(err.value) and "another ODB loader uses this port" in str(err.value)
+    assert "never served" not in str(err.value)
+
+
+def _break_then_state_rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch_support import init_gloo
+
+    result: dict[str, object] = {}
+    init_gloo(rank, 2, port)
+    try:
+        with ODBDataLoader(_LongOnRank0(120), token_budget=256, buffer_size=16, rank=rank, world_size=2,
+                           num_workers=0, shuffle=False, timeout=4, skip_idle=True,
+                           init_method=f"tcp://127.0.0.1:{port + 1}") as loader:
+            loader.set_epoch(0)
+            for k, _ in enumerate(loader):
+                if k == 44:
+                    break  # max_steps on rank 0; rank 1's loop ended long before (skip_idle)
+            dist.barrier()  # Join: every rank's loop is over, rank 0's left the epoch unfinished
+            try:
+                result["steps"] = loader.state_dict()["steps"]
+            except Exception as exc:
+                result.update(error=type(exc).__name__, message=str(exc))
+            dist.barrier()
+            loader.set_epoch(1)
+            result["next"] = {k: v for k, v in loader.state_dict().items() if k in ("epoch", "steps", "consumed")}
+    except Exception as exc:
+        result.update(outer=type(exc).__name__, outer_message=str(exc))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_state_after_a_break_under_skip_idle_is_a_typed_error_on_the_ended_rank_not_a_silent_wait(tmp_path):
+    """Rank 0 breaks at max_steps, rank 1's loop had ended (skip_idle): the epoch never reaches its end,
+    so rank 1 cannot name the step boundary. Its state_dict waited for the epoch's end until its
+    collate group failed, a PeerError blaming a peer's timeout; it now says why and what to do, and
+    after set_epoch(next epoch) both ranks' states agree."""
+    rank0, rank1 = fork_two_ranks(_break_then_state_rank, tmp_path)
+    assert rank0.get("steps") == 45 and "outer" not in rank0, rank0
+    assert rank1.get("error") in ("LoaderStateError", "PeerError"), rank1
+    assert "set_epoch(next epoch)" in rank1["message"] and "break at max_steps" in rank1["message"], rank1
+    assert rank0["next"] == rank1["next"] == {"epoch": 1, "steps": 0, "consumed": []}, (rank0, rank1)

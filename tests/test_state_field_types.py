@@ -37,6 +37,15 @@ def test_a_merged_rank_state_of_the_wrong_types_is_refused_naming_the_field(chan
     assert err.value.field == field, (err.value.field, str(err.value))
 
 
+def test_a_badly_typed_state_is_named_by_its_rank_not_its_place_in_the_list():
+    states = [_state(r, world_size=3, total=9) for r in (2, 0, 1)]
+    states[0] = states[0] | {"total": 9.0}
+    with pytest.raises(ResumeStateError) as err:
+        merge_states(states)
+    assert (err.value.field, err.value.ranks, err.value.rank) == ("total", (2,), 2), str(err.value)
+    assert "(rank 2)" in str(err.value)
+
+
 def test_well_typed_states_still_merge():
     merged = merge_states([_state(0, (0, 1)), _state(1, (0,))])
     assert merged.consumed == (0, 1, 2) and merged.steps == 1 and merged.total == 10
