@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -172,31 +173,41 @@ class _LongOnRank0(ToyDataset):
         return {"input_ids": torch.arange(200 if i % 2 == 0 else 6), "idx": i}
 
 
-def _skip_idle_break_rank(rank: int, port: int, out: str) -> None:
+def _skip_idle_rank(rank: int, port: int, out: str, body: Any, timeout: float) -> None:
+    """A W=2 trainer rank (its Gloo group's barrier stands for Join's wait for the last rank) running
+    ``body(loader, dist, result)`` over ``_LongOnRank0`` under ``skip_idle``; ``result`` (or its error) to ``out``."""
     import torch.distributed as dist
     from torch_support import init_gloo
 
     result: dict[str, object] = {}
-    init_gloo(rank, 2, port)  # the trainers' group: its barrier stands for Join's wait for the last rank
+    init_gloo(rank, 2, port)
     try:
         with ODBDataLoader(_LongOnRank0(120), token_budget=256, buffer_size=16, rank=rank, world_size=2,
-                           num_workers=0, shuffle=False, timeout=20, skip_idle=True,
+                           num_workers=0, shuffle=False, timeout=timeout, skip_idle=True,
                            init_method=f"tcp://127.0.0.1:{port + 1}") as loader:
-            epochs = []
-            for epoch in range(2):
-                loader.set_epoch(epoch)
-                steps = []
-                for k, _ in enumerate(loader):
-                    steps.append(list(loader.step_info.indices))
-                    if epoch == 0 and k == 44:
-                        break  # max_steps: only rank 0 gets this far; rank 1's loop has ended (skip_idle)
-                epochs.append(steps)
-                dist.barrier()  # Join: every rank's loop over the epoch is over
-            result["epochs"] = epochs
+            body(loader, dist, result)
     except Exception as exc:
         result.update(error=type(exc).__name__, message=str(exc))
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def _two_epochs_with_a_break(loader: ODBDataLoader, dist: Any, result: dict[str, object]) -> None:
+    epochs = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        steps = []
+        for k, _ in enumerate(loader):
+            steps.append(list(loader.step_info.indices))
+            if epoch == 0 and k == 44:
+                break  # max_steps: only rank 0 gets this far; rank 1's loop has ended (skip_idle)
+        epochs.append(steps)
+        dist.barrier()  # Join: every rank's loop over the epoch is over
+    result["epochs"] = epochs
+
+
+def _skip_idle_break_rank(rank: int, port: int, out: str) -> None:
+    _skip_idle_rank(rank, port, out, _two_epochs_with_a_break, 20)
 
 
 @pytest.mark.timeout(120)
@@ -239,32 +250,23 @@ def test_another_service_on_the_collate_port_is_not_blamed_on_an_absent_rank_0()
     assert "never served" not in str(err.value)
 
 
-def _break_then_state_rank(rank: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-    from torch_support import init_gloo
-
-    result: dict[str, object] = {}
-    init_gloo(rank, 2, port)
+def _break_then_state(loader: ODBDataLoader, dist: Any, result: dict[str, object]) -> None:
+    loader.set_epoch(0)
+    for k, _ in enumerate(loader):
+        if k == 44:
+            break  # max_steps on rank 0; rank 1's loop ended long before (skip_idle)
+    dist.barrier()  # Join: every rank's loop is over, rank 0's left the epoch unfinished
     try:
-        with ODBDataLoader(_LongOnRank0(120), token_budget=256, buffer_size=16, rank=rank, world_size=2,
-                           num_workers=0, shuffle=False, timeout=4, skip_idle=True,
-                           init_method=f"tcp://127.0.0.1:{port + 1}") as loader:
-            loader.set_epoch(0)
-            for k, _ in enumerate(loader):
-                if k == 44:
-                    break  # max_steps on rank 0; rank 1's loop ended long before (skip_idle)
-            dist.barrier()  # Join: every rank's loop is over, rank 0's left the epoch unfinished
-            try:
-                result["steps"] = loader.state_dict()["steps"]
-            except Exception as exc:
-                result.update(error=type(exc).__name__, message=str(exc))
-            dist.barrier()
-            loader.set_epoch(1)
-            result["next"] = {k: v for k, v in loader.state_dict().items() if k in ("epoch", "steps", "consumed")}
+        result["steps"] = loader.state_dict()["steps"]
     except Exception as exc:
-        result.update(outer=type(exc).__name__, outer_message=str(exc))
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+        result.update(state_error=type(exc).__name__, state_message=str(exc))
+    dist.barrier()
+    loader.set_epoch(1)
+    result["next"] = {k: v for k, v in loader.state_dict().items() if k in ("epoch", "steps", "consumed")}
+
+
+def _break_then_state_rank(rank: int, port: int, out: str) -> None:
+    _skip_idle_rank(rank, port, out, _break_then_state, 4)
 
 
 @pytest.mark.timeout(120)
@@ -274,7 +276,7 @@ def test_a_state_after_a_break_under_skip_idle_is_a_typed_error_on_the_ended_ran
     collate group failed, a PeerError blaming a peer's timeout; it now says why and what to do, and
     after set_epoch(next epoch) both ranks' states agree."""
     rank0, rank1 = fork_two_ranks(_break_then_state_rank, tmp_path)
-    assert rank0.get("steps") == 45 and "outer" not in rank0, rank0
-    assert rank1.get("error") in ("LoaderStateError", "PeerError"), rank1
-    assert "set_epoch(next epoch)" in rank1["message"] and "break at max_steps" in rank1["message"], rank1
+    assert rank0.get("steps") == 45 and "error" not in rank0, rank0
+    assert rank1.get("state_error") in ("LoaderStateError", "PeerError") and "error" not in rank1, rank1
+    assert "set_epoch(next epoch)" in rank1["state_message"] and "break at max_steps" in rank1["state_message"], rank1
     assert rank0["next"] == rank1["next"] == {"epoch": 1, "steps": 0, "consumed": []}, (rank0, rank1)
