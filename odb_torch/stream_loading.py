@@ -198,6 +198,11 @@ def stream_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], rank: 
         raise ResumeStateError(f"rank {rank}: the state is a map-style loader's (its positions name a sampler's "
                                "views), this loader reads a stream; resume it with the map-style dataset",
                                field="stream", rank=rank)
+    if isinstance(state, Mapping) and state.get("stream") and _epoch_start(state):  # names no element: any W, workers
+        if state.get("seed") != seed:
+            raise ResumeStateError(f"rank {rank}: stream state_dict seed={state.get('seed')!r} does not match this "
+                                   f"loader's {seed!r}", field="seed", rank=rank)
+        return int(state["epoch"]), [], 0
     if not isinstance(state, Mapping) or state.get("kind") == "odb-global" or state.get("world_size") != world:
         got = (f"a checkpoint of world size {state.get('world_size')}" if isinstance(state, Mapping)
                else f"a list of {len(state)} rank states (an elastic resume)")
@@ -209,6 +214,24 @@ def stream_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], rank: 
                                    field=key, rank=rank)
     consumed = check_counts(state, rank)
     return int(state["epoch"]), consumed, int(state["steps"])
+
+
+def cause_line(exc: BaseException) -> str:
+    """``Type: message`` of what failed, on one line (a peer's ``PeerError`` quotes the first line):
+    for an error a DataLoader worker raised, re-raised as "Caught X in DataLoader worker process k."
+    with the original traceback after it, that traceback's last line."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("Caught ") and "DataLoader worker" in lines[0]:
+        return lines[-1].strip()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def _epoch_start(state: Mapping[str, Any]) -> bool:
+    """A stream state of an epoch's start (nothing consumed, no step taken, no position to resume
+    from): it names no element, so it fits any world size and worker count."""
+    epoch = state.get("epoch")
+    return (isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0 and state.get("consumed") == []
+            and state.get("steps") == 0 and state.get("stream_resume") is None and not state.get("consumed_ids"))
 
 
 class _Chunker:
@@ -365,7 +388,8 @@ class StreamReader:
         except Exception as exc:
             raise SampleLoadError(f"rank {self.rank}: reading the stream failed at an element at or after position "
                                   f"{self._unread} (the first not read; elements arrive in chunks of up to "
-                                  f"{STREAM_CHUNK}): {describe_exception(exc)}", rank=self.rank,
+                                  f"{STREAM_CHUNK}): {cause_line(exc)}\n{describe_exception(exc)}",
+                                  rank=self.rank,
                                   indices=(self._unread,)) from None
         chunk, worker, state = chunk
         self._note(worker, state, self.position + len(self._buffer))
@@ -408,7 +432,10 @@ class StreamServer(CollateServer):
         self._ids, self._seen = {}, dict(zip(cmd.consumed_ids, cmd.skip))
         self._open_trace(cmd)
         try:
-            self._handshake(driver, {"stream": True, "first_step": cmd.first_step})
+            # num_workers: a per-example split (datasets' split_dataset_by_node) keeps one element in W of each
+            # worker's stream, so ranks of other worker counts would lose some elements and repeat others (P4)
+            self._handshake(driver, {"stream": True, "first_step": cmd.first_step,
+                                     "num_workers": self.spec.num_workers})
             self._stream_rounds(driver)
         finally:
             self._flush_trace(driver)

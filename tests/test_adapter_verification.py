@@ -67,6 +67,9 @@ def test_real_non_join_run_that_chains_iterations_is_a_spec_behaviour(tmp_path):
         ({"0": {"drop_last": False}, "1": {"drop_last": True}}, "sampler_drop_last"),
         # a stream on one rank: a longer handshake vector than the other's (a gloo abort before)
         ({"0": {"stream": True}}, "a stream (IterableDataset) on one rank"),
+        # streams read by other worker counts: a per-example split keeps one element in W of each
+        # worker's stream, so the ranks lost some elements and repeated others (accepted before)
+        ({"0": {"stream": True, "workers": 1}, "1": {"stream": True, "workers": 0}}, "num_workers"),
     ],
 )
 def test_ranks_that_disagree_get_a_typed_error_naming_the_field(per_rank, field, tmp_path):

@@ -119,3 +119,29 @@ def test_a_resume_error_of_this_ranks_own_state_names_this_rank(change, field):
     with pytest.raises(ResumeStateError) as err:
         _map().load_state_dict(OWN | change)
     assert (err.value.field, err.value.ranks, err.value.rank) == (field, (0,), 0), str(err.value)
+
+
+def test_a_streams_epoch_start_state_resumes_at_any_world_size_and_worker_count_a_later_one_does_not():
+    """A stream state that names no element (set_epoch(next) taken, nothing consumed) was refused at
+    another world size or worker count, although the error itself said to resume at an epoch boundary."""
+    from odb_torch.stream_loading import stream_resume
+
+    start = {**STREAM, "epoch": 1, "steps": 0, "consumed": [], "num_workers": 2}
+    assert stream_resume(start, 0, 1, 0, 3) == (1, [], 0)
+    with pytest.raises(ResumeStateError) as err:
+        stream_resume({**start, "steps": 2, "consumed": [0, 1]}, 0, 1, 0, 3)
+    assert err.value.field == "world_size"
+    with pytest.raises(ResumeStateError) as seed:
+        stream_resume(start, 0, 1, 7, 3)
+    assert seed.value.field == "seed"
+
+
+def test_a_stream_read_error_of_a_worker_puts_its_cause_on_the_first_line():
+    """A peer quotes the first line of a failing rank's error: for a DataLoader worker's error it was
+    "Caught OSError in DataLoader worker process 0.", not the cause."""
+    from odb_torch.stream_loading import cause_line
+
+    wrapped = OSError("Caught OSError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+                      "  File \"x.py\", line 1, in f\nOSError: cannot open shard 3\n")
+    assert cause_line(wrapped) == "OSError: cannot open shard 3"
+    assert cause_line(ValueError("bad record\nmore")) == "ValueError: bad record"
