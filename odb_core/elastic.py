@@ -104,27 +104,32 @@ def _is_int(value: Any, least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
-def _of_rank(rank: int | None) -> str:
-    return "" if rank is None else f" (rank {rank})"
+def _require_ints(state: Mapping[str, Any], least: Mapping[str, int], lists: Sequence[str], where: str,
+                  rank: int | None = None) -> None:
+    """:class:`ResumeStateError` naming the first key of ``least`` present in ``state`` that is not an
+    integer of at least its value, or of ``lists`` that is not a list of integers >= 0 (``where``:
+    the state, as the message names it): not strings, floats or bools that ``int()`` would quietly
+    read (``"012"`` as 12, 1.9 as 1)."""
+    ranks = [] if rank is None else [rank]
+    for key, low in least.items():
+        if key in state and not _is_int(state[key], low):
+            raise ResumeStateError(f"{where}: {key}={state[key]!r} is not an integer >= {low}", field=key,
+                                   ranks=ranks, rank=rank)
+    for key in lists:
+        values = state.get(key)
+        if values is not None and (not isinstance(values, (list, tuple)) or not all(_is_int(v, 0) for v in values)):
+            raise ResumeStateError(f"{where}: {key}={str(values)[:60]} is not a list of integers >= 0", field=key,
+                                   ranks=ranks, rank=rank)
 
 
 def _check_field_types(state: Mapping[str, Any], place: int) -> None:
-    """:class:`ResumeStateError` naming the first field of ``state`` (``place``: its index in the
-    list) that is not what a loader's ``state_dict`` writes: integers, not strings, floats or
-    bools that ``int()`` would quietly read (``"012"`` as 12, 1.9 as 1)."""
+    """A rank state (``place``: its index in the list) holds what a loader's ``state_dict`` writes
+    (:func:`_require_ints`, :func:`check_counts`)."""
     rank = state["rank"] if _is_int(state["rank"], 0) else None
-    least = {"rank": 0, "world_size": 1, "epoch": 0, "steps": 0, "total": 0, "order_world": 1, "pool": 0,
-             "pool_size": 0, "seed": -(2**63)}
-    for key, low in least.items():
-        if key in state and not _is_int(state[key], low):
-            raise ResumeStateError(f"loader state {place}{_of_rank(rank)}: {key}={state[key]!r} is not an integer "
-                                   f">= {low}", field=key, ranks=[] if rank is None else [rank], rank=rank)
+    where = f"loader state {place}" + ("" if rank is None else f" (rank {rank})")
+    _require_ints(state, {"rank": 0, "world_size": 1, "epoch": 0, "steps": 0, "total": 0, "order_world": 1,
+                          "pool": 0, "pool_size": 0, "seed": -(2**63)}, ("views", "claimed"), where, rank)
     check_counts(state, state["rank"])  # a valid rank: checked above
-    for key in ("views", "claimed"):
-        values = state.get(key)
-        if values is not None and (not isinstance(values, (list, tuple)) or not all(_is_int(v, 0) for v in values)):
-            raise ResumeStateError(f"loader state {place}{_of_rank(rank)}: {key}={str(values)[:60]} is not a list "
-                                   "of integers >= 0", field=key, ranks=[] if rank is None else [rank], rank=rank)
 
 
 def _agreed(states: Sequence[Mapping[str, Any]]) -> dict[str, int]:
@@ -315,16 +320,10 @@ def _check_global_types(state: Mapping[str, Any]) -> None:
     """:class:`ResumeStateError` naming the first field of a merged state that
     :meth:`GlobalState.to_dict` would not have written (a missing one, a string, a float, a bool)."""
     least = {"epoch": 0, "steps": 0, "total": 0, "order_world": 1, "seed": -(2**63)}
-    for key, low in least.items():
-        if not _is_int(state.get(key), low):
-            raise ResumeStateError(f"the global state's {key}={state.get(key)!r} is not an integer >= {low}", field=key)
-    for key in ORDER_FIELDS:
-        if key in state and not _is_int(state[key], -(2**63)):
-            raise ResumeStateError(f"the global state's {key}={state[key]!r} is not an integer", field=key)
-    consumed = state.get("consumed")
-    if not isinstance(consumed, (list, tuple)) or not all(_is_int(g, 0) for g in consumed):
-        raise ResumeStateError(f"the global state's consumed={str(consumed)[:60]} is not a list of integers >= 0",
-                               field="consumed")
+    missing = [key for key in (*least, "consumed") if key not in state]
+    if missing:
+        raise ResumeStateError(f"the global state lacks {missing[0]!r}", field=missing[0])
+    _require_ints(state, {**least, **dict.fromkeys(ORDER_FIELDS, -(2**63))}, ("consumed",), "the global state")
     tail = state.get("order_tail", 0.0)
     if isinstance(tail, bool) or not isinstance(tail, (int, float)) or not 0 <= tail < 1:
         raise ResumeStateError(f"the global state's order_tail={tail!r} is not a fraction in [0, 1)",

@@ -520,9 +520,8 @@ class CollateServer:
         driver.check_hello_header(heads)
         driver.check_hello(self._gather(vector, "handshake"))
 
-    def _rounds(self, driver: EpochDriver) -> bool:
-        """The epoch's rounds; True if this rank's loop already got its :class:`EpochEnd`."""
-        ended = False
+    def _rounds(self, driver: EpochDriver) -> None:
+        """The epoch's rounds, to the epoch's end (past this rank's loop's end under ``skip_idle``)."""
         # an iteration _prepare started is under way: its loads are self._loading
         samples: dict[int, Any] = {}  # B: position -> sample
         while not driver.done:
@@ -533,8 +532,7 @@ class CollateServer:
                 samples = {}
                 continue
             self._fill(driver, samples)
-            ended = self._round(driver, samples) or ended
-        return ended
+            self._round(driver, samples)
 
     def _new_driver(self, cmd: StartEpoch) -> EpochDriver:
         spec = self.spec
@@ -588,18 +586,16 @@ class CollateServer:
             self._loading.close()  # type: ignore[attr-defined]
             self._loading = None
 
-    def _round(self, driver: EpochDriver, samples: dict[int, Any]) -> bool:
+    def _round(self, driver: EpochDriver, samples: dict[int, Any]) -> None:
         """One round after this rank's arrivals: gather the headers, then (an emitting round)
-        the step vectors, and deliver each output; True if this rank's loop got its EpochEnd."""
-        ended = False
+        the step vectors, and deliver each output."""
         plan = driver.on_headers(self._gather(driver.begin_round(), "header"))
         steps = driver.on_steps(self._gather_steps(plan.step_vector)) if plan.step_vector is not None else []
         if driver.pool and driver.protocol is not None and len(driver.views) > self._scheduled:
             self._claim_loads(driver)  # claimed pool views start loading now, while the batches train
         for item in steps:
-            ended = self._deliver(driver, item, samples) or ended
+            self._deliver(driver, item, samples)
         self._flush_trace(driver)
-        return ended
 
     def _fill(self, driver: EpochDriver, samples: dict[int, Any]) -> None:
         """Fetch what the driver allows and hand it every loaded sample it fetched, loading
@@ -696,15 +692,16 @@ class CollateServer:
             raise packed.error
         return packed
 
-    def _deliver(self, driver: EpochDriver, item: Delivery | LoopEnd, samples: dict[int, Any]) -> bool:
-        """Collate one delivery and put it for the trainer; True for the loop's end. A Stop the
+    def _deliver(self, driver: EpochDriver, item: Delivery | LoopEnd, samples: dict[int, Any]) -> None:
+        """Collate one delivery and put it for the trainer (the loop's end: an :class:`EpochEnd`
+        without the count, ``skip_idle``). A Stop the
         trainer sent (it closed mid-epoch) ends this process before the next collate_fn call."""
         spec = self.spec
         if self._stop_sent():
             raise _ParentGone
         if isinstance(item, LoopEnd):
             self._put(EpochEnd(driver.epoch))
-            return True
+            return
         s = item.step
         if s.is_idle:
             if self._template is None:
@@ -727,7 +724,6 @@ class CollateServer:
         )
         self._flush_trace(driver)  # the trace covers every batch the trainer may have received
         self._put(Batch(batch, info, item.sampler_positions, tail=self._tail_report(driver), order=self._order))
-        return False
 
     def _tail_report(self, driver: EpochDriver) -> tuple[int, tuple[int, ...]] | None:
         """A pooled epoch: the pool's cursor after this round and this rank's claims not yet

@@ -73,6 +73,16 @@ def describe_exception(exc: BaseException) -> str:
     return "".join(traceback.format_exception(exc)).rstrip()
 
 
+def cause_line(exc: BaseException) -> str:
+    """``Type: message`` of what failed, on one line (a peer's ``PeerError`` quotes the first line):
+    for an error a DataLoader worker raised, re-raised as "Caught X in DataLoader worker process k."
+    with the original traceback after it, that traceback's last line."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("Caught ") and "DataLoader worker" in lines[0]:
+        return lines[-1].strip()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
 class IndexedDataset(Dataset):  # type: ignore[type-arg]
     """Wraps the user's dataset so a failing ``__getitem__`` is a :class:`LoadFailed`
     naming its index and rank (ODB's own object; the user's dataset is not touched)."""

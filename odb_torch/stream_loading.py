@@ -54,7 +54,7 @@ from odb_torch.collate_process import (
 )
 from odb_torch.messages import Batch, EpochEnd, Reply, StartEpoch
 from odb_torch.process_guard import DieWithParent
-from odb_torch.sample_packing import PackedChunk, Packer, describe_exception, pack, unpack
+from odb_torch.sample_packing import PackedChunk, Packer, cause_line, describe_exception, pack, unpack
 
 STREAM_CHUNK = 32
 """Consecutive elements a DataLoader worker reads and ships as one packed chunk."""
@@ -214,16 +214,6 @@ def stream_resume(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], rank: 
                                    field=key, rank=rank)
     consumed = check_counts(state, rank)
     return int(state["epoch"]), consumed, int(state["steps"])
-
-
-def cause_line(exc: BaseException) -> str:
-    """``Type: message`` of what failed, on one line (a peer's ``PeerError`` quotes the first line):
-    for an error a DataLoader worker raised, re-raised as "Caught X in DataLoader worker process k."
-    with the original traceback after it, that traceback's last line."""
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    if len(lines) > 1 and lines[0].startswith("Caught ") and "DataLoader worker" in lines[0]:
-        return lines[-1].strip()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def _epoch_start(state: Mapping[str, Any]) -> bool:
@@ -442,8 +432,7 @@ class StreamServer(CollateServer):
             self._close_reader()
         self._put(EpochEnd(cmd.epoch, driver.next_step))  # the count; after an early end (skip_idle), a second one
 
-    def _stream_rounds(self, driver: EpochDriver) -> bool:
-        ended = False
+    def _stream_rounds(self, driver: EpochDriver) -> None:
         samples: dict[int, Any] = {}
         while not driver.done:
             if self._stop_sent():  # the trainer closed mid-epoch: stop now, not when the queue fills
@@ -460,8 +449,7 @@ class StreamServer(CollateServer):
                 self._template, self._template_length = None, 0
                 continue
             self._read(driver, samples)
-            ended = self._round(driver, samples) or ended
-        return ended
+            self._round(driver, samples)
 
     def _read(self, driver: EpochDriver, samples: dict[int, Any]) -> None:
         """Read every position the driver fetches; a read past the end reports it (P4)."""
@@ -488,7 +476,7 @@ class StreamServer(CollateServer):
             if self._wants_template(length):
                 self._keep_template(sample, length, s)
 
-    def _deliver(self, driver: EpochDriver, item: Delivery | LoopEnd, samples: dict[int, Any]) -> bool:
+    def _deliver(self, driver: EpochDriver, item: Delivery | LoopEnd, samples: dict[int, Any]) -> None:
         if isinstance(item, Delivery) and item.step.is_idle and self._template is None:
             if self.options.idle_sample is None:
                 raise CollateProcessError(
@@ -496,7 +484,7 @@ class StreamServer(CollateServer):
                     "(an empty stream): pass ODBDataLoader(idle_sample=...), a sample whose collated batch is "
                     "the idle batch (its loss is scaled by 0)", rank=self.spec.rank)
             self._template = self.options.idle_sample
-        return super()._deliver(driver, item, samples)
+        super()._deliver(driver, item, samples)
 
     def _identify(self, sample: Any, s: int) -> None:
         """Record the element's own identity; one seen before in the epoch (before the checkpoint

@@ -139,7 +139,7 @@ def test_a_streams_epoch_start_state_resumes_at_any_world_size_and_worker_count_
 def test_a_stream_read_error_of_a_worker_puts_its_cause_on_the_first_line():
     """A peer quotes the first line of a failing rank's error: for a DataLoader worker's error it was
     "Caught OSError in DataLoader worker process 0.", not the cause."""
-    from odb_torch.stream_loading import cause_line
+    from odb_torch.sample_packing import cause_line
 
     wrapped = OSError("Caught OSError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
                       "  File \"x.py\", line 1, in f\nOSError: cannot open shard 3\n")

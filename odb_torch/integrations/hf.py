@@ -302,7 +302,7 @@ def check_loader_keywords(who: str, odb_kwargs: Mapping[str, Any]) -> None:
 
 
 def check_arguments(who: str, args: Any, warmup_samples: int | None, odb_kwargs: Mapping[str, Any],
-                    kwargs: Mapping[str, Any], classes: tuple[type, type] | None = None) -> None:
+                    kwargs: Mapping[str, Any], classes: tuple[type, type]) -> None:
     """Refuse what ODBTrainer cannot run: ``ValueError`` for missing or step-counted arguments,
     :class:`UnsupportedSettingError` naming the fields for settings it would silently drop.
     ``classes``: the trainer's class and the ODB class it derives from (:func:`sampling_problems`)."""
@@ -319,7 +319,7 @@ def check_arguments(who: str, args: Any, warmup_samples: int | None, odb_kwargs:
         raise ValueError(f"{who} needs a train_dataset (keyword)")
     check_loader_keywords(who, odb_kwargs)
     refuse(who, loss_setting_problems(args, kwargs) + step_fraction_problems(args) + scheduler_kwargs_problems(args)
-           + (sampling_problems(args, *classes) if classes else []))
+           + sampling_problems(args, *classes))
 
 
 class ODBTrainer(Trainer):
