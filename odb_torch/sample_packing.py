@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import Dataset
 
 from odb_core.errors import InvalidSampleError, ODBError, SampleLoadError
+from odb_torch.chunk_columns import Column, column_measures, columns_of, inline, rows_of
 from odb_torch.collate import holds_counts
 from odb_torch.losses import signed_labels
 
@@ -59,6 +60,10 @@ class PackedChunk:
     """Per dtype, the element count of each of its slots, in traversal order."""
     measures: list[tuple[int, int]] | None = None
     error: ODBError | None = None
+    columns: list[Column] | None = None
+    """A chunk of uniform dict samples as columns (:mod:`odb_torch.chunk_columns`): then
+    ``skeletons`` and ``buffers`` are empty and ``count`` says how many samples it holds."""
+    count: int = 0
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,19 @@ def _map_leaves(x: Any, leaf: Callable[[Any], Any]) -> Any:
 
 
 def pack(samples: list[Any]) -> PackedChunk:
-    """Worker side (the DataLoader's collate_fn): pack a chunk's tensors per dtype."""
+    """Worker side (the DataLoader's collate_fn): a chunk of uniform dict samples as columns
+    (:func:`odb_torch.chunk_columns.columns_of`), anything else with its tensors packed per dtype."""
+    columns = columns_of(samples)
+    return _packed_columns(columns, len(samples)) if columns is not None else _pack_leaves(samples)
+
+
+def _packed_columns(columns: list[Column], count: int) -> PackedChunk:
+    inline(columns, INLINE_BYTES)
+    return PackedChunk([], {}, columns=columns, count=count)
+
+
+def _pack_leaves(samples: list[Any]) -> PackedChunk:
+    """Every tensor inside dicts, lists and tuples moved into one flat buffer per dtype."""
     pieces: dict[torch.dtype, list[torch.Tensor]] = {}
 
     def strip(x: Any) -> Any:
@@ -153,6 +170,8 @@ def _tensor(buffer: torch.Tensor | bytes, dtype: torch.dtype) -> torch.Tensor:
 def unpack(chunk: PackedChunk) -> list[Any]:
     """Collate-process side: rebuild the samples, their tensors as views of the chunk's buffers
     (one split per dtype makes every view of it at once)."""
+    if chunk.columns is not None:
+        return rows_of(chunk.columns, chunk.count)
     parts = {dt: _tensor(b, dt).split_with_sizes(chunk.sizes[dt]) for dt, b in chunk.buffers.items()}
 
     def fill(x: Any) -> Any:
@@ -306,15 +325,25 @@ class Packer:
         return length, tokens
 
     def __call__(self, items: list[tuple[int, Any]]) -> PackedChunk:
+        samples = [sample for _, sample in items]
         try:
-            for _, sample in items:
+            for sample in samples:
                 if isinstance(sample, LoadFailed):
                     raise sample.error
-            counted = (label_counts([sample for _, sample in items]) if self.loss_tokens_fn is None
-                       else [None] * len(items))
-            measures = [self.measure(sample, index, n) for (index, sample), n in zip(items, counted)]
+            columns = columns_of(samples)
+            measures = self._measures(items, columns)
         except ODBError as exc:
             return PackedChunk([], {}, error=exc)
-        chunk = pack([sample for _, sample in items])
+        chunk = _packed_columns(columns, len(samples)) if columns is not None else _pack_leaves(samples)
         chunk.measures = measures
         return chunk
+
+    def _measures(self, items: list[tuple[int, Any]], columns: list[Column] | None) -> list[tuple[int, int]]:
+        """Every sample's (length, loss tokens): by whole columns where the default rules apply to
+        them (:func:`~odb_torch.chunk_columns.column_measures`), else sample by sample."""
+        if columns is not None and self.length_fn is None and self.loss_tokens_fn is None:
+            measures = column_measures(columns, len(items))
+            if measures is not None:
+                return measures
+        counted = label_counts([sample for _, sample in items]) if self.loss_tokens_fn is None else [None] * len(items)
+        return [self.measure(sample, index, n) for (index, sample), n in zip(items, counted)]
