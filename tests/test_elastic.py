@@ -88,7 +88,12 @@ def check_elastic(case: Case, assign: Assign) -> None:
     again = global_state_from([dict(s, steps=merged.steps + k2) for s in states])
     done = set(merged.consumed) | {views[r][p] for r in range(world2) for s in second[r][:k2] for p in s.positions}
     assert set(again.consumed) == done and len(again.consumed) == len(done), "the re-merge keeps every consumed view"
-    assert sorted(g for r in range(world) for g in assign(again, world, r)) == sorted(set(range(total)) - done)
+    third_views = [assign(again, world, r) for r in range(world)]
+    assert sorted(g for v in third_views for g in v) == sorted(set(range(total)) - done)
+    third = run_views(order, third_views, lengths, config)  # the run resumed the second time, to its end
+    assert len({len(s) for s in third}) == 1, "P2: every rank of the twice-resumed run takes the same steps"
+    emitted = [g for r in range(world) for s in third[r] for g in (third_views[r][p] for p in s.positions)]
+    assert Counter(emitted) == Counter(set(range(total)) - done), "P4 across both resumes: every view exactly once"
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -2,8 +2,8 @@
 
 Random W in 1..16, N in 0..5000 (N < W included), lengths from 0 to 3x the budget,
 token budgets, both budgets (padded: max_len x size; packed: sum of lengths), buffer sizes,
-depths, capacities, both modes, both target and overflow
-policies and every delivery schedule (tests/strategies.py).
+depths, capacities, both modes, every target and overflow
+policy and every delivery schedule (model_checks/strategies.py).
 """
 
 from collections import Counter
