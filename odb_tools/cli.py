@@ -300,7 +300,9 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     src.add_argument("--lengths", help=f"a file of integer lengths, or one of: {', '.join(DISTRIBUTIONS)}")
     src.add_argument("--jsonl", help="a JSONL dataset ('messages' or 'text' per line), tokenized with the Qwen tokenizer")
     src.add_argument("--chat", action="store_true", help="the embedded chit-chat conversations (Qwen tokenizer)")
-    p.add_argument("--samples", type=at_least(1), default=100_000, help="lengths drawn from a named distribution")
+    p.add_argument("--samples", type=at_least(1), default=None,
+                   help="lengths drawn from a named distribution (default 100000), or the first N of a file, "
+                        "--jsonl or --chat (default: all)")
     p.add_argument("--max-length", type=at_least(1), default=None, help="cutoff applied to every length")
     p.add_argument("--budgets", type=_some_ints, default=None, help="comma-separated token budgets")
     p.add_argument("--buffer-size", type=at_least(1), default=1024)
@@ -308,13 +310,16 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                    help="ODB's budget: padded groups (default) or packed, padding-free groups (sum of lengths <= L_max)")
     p.add_argument("--step-fixed", type=float, default=None, help="seconds per step, fixed part")
     p.add_argument("--step-per-token", type=float, default=None, help="seconds per padded token")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the shuffle of the lengths, and a named distribution's draws (default 0)")
+    p.add_argument("--no-shuffle", action="store_true",
+                   help="cut ODB's buffers and the fixed batches in the lengths' order instead of a seeded shuffle")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_profile)
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from odb_core.distributions import DISTRIBUTIONS, sample_lengths
-    from odb_tools.profile import DEFAULT_BUDGETS, jsonl_lengths, markdown, profile
+    from odb_tools.profile import DEFAULT_BUDGETS, markdown, profile
 
     if (args.step_fixed is None) != (args.step_per_token is None):
         raise ValueError("give both --step-fixed and --step-per-token, or neither")
@@ -326,25 +331,40 @@ def _profile(args: argparse.Namespace) -> int:
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")
         if args.step_fixed == 0 and args.step_per_token == 0:
             raise ValueError("--step-fixed and --step-per-token are both 0: a step would take no time")
+    lengths = _profile_lengths(args)
+    if args.max_length and not args.chat:
+        lengths = [min(x, args.max_length) for x in lengths]
+    result = profile(lengths, args.budgets or DEFAULT_BUDGETS, args.buffer_size,
+                     step_fixed=args.step_fixed, step_per_token=args.step_per_token, budget_kind=args.budget,
+                     seed=args.seed, shuffle=not args.no_shuffle)
+    print(json.dumps(result) if args.json else markdown(result))
+    return 0
+
+
+def _profile_lengths(args: argparse.Namespace) -> list[int]:
+    """``odb profile``'s lengths: drawn (``--samples``, default 100000), or the first ``--samples``
+    of a file, ``--jsonl`` or ``--chat`` (all by default; more than it holds is refused)."""
+    from odb_core.distributions import DISTRIBUTIONS, sample_lengths
+    from odb_tools.profile import jsonl_lengths
+
+    if args.lengths in DISTRIBUTIONS:
+        return sample_lengths(args.lengths, 100_000 if args.samples is None else args.samples, args.seed)
     if args.chat:
         from odb_tools.demo.chat_data import ChatDataset
 
-        lengths = ChatDataset(max_length=args.max_length or 1 << 20).lengths()
+        lengths, source = ChatDataset(max_length=args.max_length or 1 << 20).lengths(), "--chat's conversations"
     elif args.jsonl:
-        lengths = jsonl_lengths(args.jsonl, args.max_length)
-    elif args.lengths in DISTRIBUTIONS:
-        lengths = sample_lengths(args.lengths, args.samples)
+        lengths, source = jsonl_lengths(args.jsonl, args.max_length, limit=args.samples), args.jsonl
     else:
         path = Path(args.lengths)
         if not path.is_file():
             raise ValueError(f"--lengths {args.lengths!r} is neither a file nor a known distribution")
-        lengths = read_lengths(path)
-    if args.max_length and not args.chat:
-        lengths = [min(x, args.max_length) for x in lengths]
-    result = profile(lengths, args.budgets or DEFAULT_BUDGETS, args.buffer_size,
-                     step_fixed=args.step_fixed, step_per_token=args.step_per_token, budget_kind=args.budget)
-    print(json.dumps(result) if args.json else markdown(result))
-    return 0
+        lengths, source = read_lengths(path), str(path)
+    if args.samples is not None:
+        if args.samples > len(lengths):
+            raise ValueError(f"--samples {args.samples} exceeds the {len(lengths)} lengths in {source}")
+        lengths = lengths[: args.samples]
+    return lengths
 
 
 def _add_tune(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

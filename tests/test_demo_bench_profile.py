@@ -211,3 +211,65 @@ def test_lhotse_rows_run_on_fewer_samples_than_its_buckets():
     assert result is not None
     groups, _ = result
     assert sorted(i for g in groups for i in g) == list(range(18))
+
+
+def test_profile_packed_text_table_shows_odb_packing_efficiency():
+    """``--budget packed``'s text table has ODB's packing efficiency (real tokens / L_max per group),
+    which README promises and only --json had; the padded table keeps its seven columns."""
+    from odb_core.distributions import sample_lengths
+    from odb_tools.profile import markdown, profile
+
+    lengths = sample_lengths("ultrachat", 3000, seed=0)
+    packed = profile(lengths, budgets=[4096, 8192], budget_kind="packed")
+    table = markdown(packed).splitlines()
+    header = next(line for line in table if line.startswith("| L_max"))
+    cells = header.strip("|").split(" | ")
+    assert cells[3] == "ODB packing efficiency", cells
+    rows = [line.strip("|").split(" | ") for line in table if line.startswith(("| 4096 ", "| 8192 "))]
+    assert [r[3] for r in rows] == [f"{b['odb_packing_efficiency']:.2%}" for b in packed["budgets"]], rows
+    padded_header = next(line for line in markdown(profile(lengths, budgets=[4096])).splitlines()
+                         if line.startswith("| L_max"))
+    assert "efficiency" not in padded_header and padded_header.count("|") == 8, padded_header
+
+
+def test_profile_shuffles_a_sorted_length_file_unless_told_not_to(tmp_path):
+    """Buffers and fixed batches were cut in file order: a file sorted by length made every fixed
+    batch homogeneous (0.1% padding where a shuffled order gives about 40%). By default the lengths
+    are shuffled (seeded), so a sorted file profiles like the same lengths in random order;
+    ``--no-shuffle`` keeps the file's order."""
+    import random
+
+    from odb_core.distributions import sample_lengths
+
+    lengths = sample_lengths("ultrachat", 5000, seed=1)
+    random.Random(7).shuffle(lengths)
+    files = {"sorted": sorted(lengths), "random": lengths}
+    for name, values in files.items():
+        (tmp_path / f"{name}.txt").write_text("\n".join(map(str, values)))
+    args = ("--budgets", "32768", "--json")
+    srt, rnd = (json.loads(run("profile", "--lengths", str(tmp_path / f"{n}.txt"), *args))["budgets"][0]
+                for n in files)
+    assert rnd["fixed_padding"] > 0.3 and abs(srt["fixed_padding"] - rnd["fixed_padding"]) < 0.02, (srt, rnd)
+    assert abs(srt["odb_padding"] - rnd["odb_padding"]) < 0.005, (srt, rnd)
+    in_order = json.loads(run("profile", "--lengths", str(tmp_path / "sorted.txt"), "--no-shuffle", *args))
+    assert in_order["shuffle"] is False and in_order["budgets"][0]["fixed_padding"] < 0.01, in_order
+    other_seed = json.loads(run("profile", "--lengths", str(tmp_path / "sorted.txt"), "--seed", "3", *args))
+    assert other_seed["seed"] == 3 and other_seed["budgets"][0] != srt  # the seed picks the order
+
+
+def test_profile_samples_takes_the_first_n_of_a_file_or_jsonl(tmp_path):
+    """``--samples`` was ignored for a length file and --jsonl (only a named distribution's draws
+    used it); it takes the first N, as ``odb simulate --samples`` does, and more than the file
+    holds is one line naming the file, exit status 2."""
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in range(1, 11)))
+    first3 = json.loads(run("profile", "--lengths", str(lengths), "--samples", "3", "--budgets", "64", "--json"))
+    assert (first3["samples"], first3["max_length"]) == (3, 3), first3
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "hello"}\n{"text": "hello there"}\n{"text": "a b c d e f g h"}\n')
+    jsonl = json.loads(run("profile", "--jsonl", str(data), "--samples", "2", "--budgets", "64", "--json"))
+    assert jsonl["samples"] == 2, jsonl
+    out = subprocess.run([*ODB, "profile", "--lengths", str(lengths), "--samples", "11"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and f"--samples 11 exceeds the 10 lengths in {lengths}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
