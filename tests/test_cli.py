@@ -72,6 +72,16 @@ def test_simulate_packed_budget_packs_fuller_groups_in_lockstep():
     assert packed["over_budget_singletons"] == padded["over_budget_singletons"] > 0
 
 
+def test_simulate_packed_budget_reports_no_padding():
+    """A packed group is one padding-free row: ``padding_fraction`` is 0 under ``--budget packed``
+    (it was computed as if the groups were padded, about 7%, against README's and ``odb profile``'s
+    0%), while the padded budget on the same lengths still reports its padding."""
+    args = ("simulate", "--world", "2", "--samples", "3000", "--lengths", "ultrachat", "--json")
+    packed, padded = (json.loads(odb(*args, *extra).stdout) for extra in (("--budget", "packed"), ()))
+    assert packed["padding_fraction"] == 0.0, packed["padding_fraction"]
+    assert padded["padding_fraction"] > 0.0 and packed["budget_fill"] > padded["budget_fill"]
+
+
 def test_simulate_shared_tail_cuts_the_alignment_overhead_and_keeps_coverage():
     """A 5% pool against none on the same sharegpt4o lengths at W=8: fewer idle steps (the join
     tail), every view still emitted once (P4), ranks in lockstep (P2); non-join refuses it."""
