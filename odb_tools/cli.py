@@ -181,7 +181,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
 
 def _demo(args: argparse.Namespace) -> int:
     from odb_tools.demo import run_demo
-    from odb_tools.demo.report import table
+    from odb_tools.demo.report import speedups, table
 
     summary = run_demo(quick=args.quick, results=args.results, world=args.world, samples=args.samples,
                        seed=args.seed, progress=not args.json)
@@ -194,7 +194,9 @@ def _demo(args: argparse.Namespace) -> int:
           f"{c['accumulation_steps']} micro-batches (ODB packed: {c['packed_accumulation_steps']}), "
           f"buffer {c['buffer_size']}; "
           f"fixed batch size {c['fixed_batch_size']}\n")
-    print(table(summary["methods"]))
+    print(table(summary["methods"], summary["time_to_loss"]["target"], c))
+    if any(r["name"] == "standard" for r in summary["methods"]):
+        print(speedups(summary["methods"]))
     print(f"\nplots: {', '.join(summary['plots'])}")
     return 0
 
