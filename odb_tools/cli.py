@@ -393,7 +393,9 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
                    help="then run this many admitted shapes back to back at the budget found, lowering it until "
                    "their peak fits too: a run's changing shapes fragment the allocator's cache (default: 16 on "
                    "GPU, 0 (off) on CPU, where RSS grows with the replay's length)")
-    p.add_argument("--seed", type=int, default=0, help="the replay's shapes and order (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the replay's shapes and order (default 0); no effect without a replay, so none on CPU "
+                        "unless --replay is given")
     p.add_argument("--gradient-checkpointing", action="store_true", help="model.gradient_checkpointing_enable() first")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_tune)
