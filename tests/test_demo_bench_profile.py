@@ -67,7 +67,8 @@ def test_bench_batching_json_rows():
     odb8 = next(r for r in rows if r["batcher"] == "odb" and r["world"] == 8)
     assert 0 <= odb8["alignment_overhead"] < 0.2 and odb8["padding_fraction"] < 0.05
     packed = {(r["batcher"], r["world"]): r for r in packed_rows}
-    assert {b for b, _ in packed} == {"odb packed", "odb packed (target min)", "odb packed (target min, pool 2%)",
+    assert {b for b, _ in packed} == {"odb packed (target balanced)", "odb packed (target min)",
+                                      "odb packed (target min, pool 2%)",
                                       "ffd oracle (offline)",
                                       "ffd per rank (offline, each rank's shard)",
                                       "trl pack_dataset bfd (offline, map batches of 1000)",
@@ -77,7 +78,7 @@ def test_bench_batching_json_rows():
         assert r["samples"] == 3000, f"{batcher} W={world} lost samples"
         assert 0.9 < r["packing_efficiency"] <= oracle["packing_efficiency"] + 1e-3
         assert r["updates"] * world >= r["batches"], (batcher, world)
-    over = packed["odb packed", 2]["over_budget_singletons"]
+    over = packed["odb packed (target balanced)", 2]["over_budget_singletons"]
     assert over > 0 and oracle["over_budget_singletons"] == over, "first-fit decreasing sends each alone, as ODB"
     for world in (2, 8):
         per_rank = packed["ffd per rank (offline, each rank's shard)", world]
@@ -85,7 +86,8 @@ def test_bench_batching_json_rows():
         assert per_rank["updates"] * world >= per_rank["batches"] >= oracle["batches"] - 1, \
             "each rank packs its own shard: its largest count times W covers every batch"
         assert per_rank["alignment_overhead"] == pytest.approx(per_rank["updates"] * world / per_rank["batches"] - 1)
-    for world, label in ((2, "odb packed"), (8, "odb packed"), (2, "odb packed (target min)"),
+    for world, label in ((2, "odb packed (target balanced)"), (8, "odb packed (target balanced)"),
+                         (2, "odb packed (target min)"),
                          (8, "odb packed (target min)"), (8, "odb packed (target min, pool 2%)")):
         odb = packed[label, world]
         assert odb["coverage_exact"] and 0 <= odb["alignment_overhead"] < 0.2
@@ -273,3 +275,16 @@ def test_profile_samples_takes_the_first_n_of_a_file_or_jsonl(tmp_path):
                          text=True, timeout=120)
     assert out.returncode == 2 and f"--samples 11 exceeds the 10 lengths in {lengths}" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_each_odb_packed_row_of_bench_batching_names_its_target_policy():
+    """The ``balanced`` target's row was labelled plain "odb packed", as if it were the packed
+    budget's default (``min``, README's "ODB packed (`min`)"); every ODB packed label now names the
+    target it ran with, and labels are distinct."""
+    from odb_tools.bench_packed import ODB_PACKED, packed_rows
+
+    for label, policy, tail in ODB_PACKED:
+        assert label.startswith(f"odb packed (target {policy}") and (tail == 0) == ("pool" not in label), label
+    rows = packed_rows("uniform", [100, 300, 900, 50] * 25, 1024, [2], 64)
+    odb = [r["batcher"] for r in rows if r["batcher"].startswith("odb packed")]
+    assert odb == [label for label, _, _ in ODB_PACKED] and len(set(odb)) == len(odb), odb
