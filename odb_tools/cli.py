@@ -29,7 +29,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     from odb_core.schedules import SCHEDULES
 
     p = sub.add_parser("simulate", help="simulate W ranks of the ODB protocol in one process and audit the epoch")
-    p.add_argument("--world", type=int, default=8, help="number of ranks W (default 8)")
+    p.add_argument("--world", type=at_least(1), default=8, help="number of ranks W (default 8)")
     p.add_argument("--samples", type=int, default=None, help="dataset size N (default 20000, or all of a --lengths file)")
     p.add_argument(
         "--lengths",
@@ -78,8 +78,6 @@ def _simulate(args: argparse.Namespace) -> int:
             lengths = lengths[: args.samples]
     if args.samples is not None and args.samples < 0:
         raise ValueError("--samples must be >= 0")
-    if args.world < 1:
-        raise ValueError("--world must be >= 1")
     try:
         config = ODBConfig(
             token_budget=args.token_budget,
@@ -119,7 +117,11 @@ def _simulate(args: argparse.Namespace) -> int:
 def read_lengths(path: str | Path) -> list[int]:
     """Integers from a text file, whitespace or comma separated; errors name the line."""
     out: list[int] = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    for lineno, line in enumerate(text.splitlines(), start=1):
         for token in line.replace(",", " ").split():
             try:
                 value = int(token)
@@ -377,18 +379,23 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
                    help="a transformers config JSON, a transformers model type (llama, qwen2, ...) or module:callable")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override (model type / JSON) or a keyword of the callable; repeatable")
-    p.add_argument("--memory", required=True, help="the memory limit (24GiB, 800MB): of each shape's step, peak RSS on "
-                   "CPU, peak allocated on GPU; of the replay, peak RSS on CPU, peak reserved on GPU (capped at it)")
+    p.add_argument("--memory", required=True, help="the memory limit (24GiB, 800MB; K, M, G, T with or without B are "
+                   "powers of 1000, so 80G is 80 x 10^9 bytes; KiB, MiB, GiB, TiB powers of 1024): of each shape's "
+                   "step, peak RSS on CPU, peak allocated on GPU; of the replay, peak RSS on CPU, peak reserved on "
+                   "GPU (capped at it)")
     p.add_argument("--max-length", type=at_least(1), required=True, help="the cut-off: the longest sample, in tokens")
     p.add_argument("--budget", choices=BUDGETS, default="padded", help="ODBConfig.budget (default padded)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when available")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the model's parameters' dtype (default float32)")
     p.add_argument("--optimizer", choices=("none", "sgd", "adamw"), default="adamw",
                    help="the optimizer whose state is resident during the step (default adamw)")
     p.add_argument("--step", type=at_least(1), default=128, help="budgets are multiples of this (default 128)")
     p.add_argument("--start", type=at_least(1), default=None, help="the first budget tried (default: --step)")
-    p.add_argument("--max-budget", type=at_least(1), default=1 << 20)
-    p.add_argument("--max-shapes", type=at_least(0), default=8, help="padded shapes measured per budget (0: the whole frontier)")
+    p.add_argument("--max-budget", type=at_least(1), default=1 << 20,
+                   help="the largest budget tried (default 1048576)")
+    p.add_argument("--max-shapes", type=at_least(0), default=8,
+                   help="padded shapes measured per budget (default 8; 0: the whole frontier)")
     p.add_argument("--replay", type=at_least(0), default=None, metavar="STEPS",
                    help="then run this many admitted shapes back to back at the budget found, lowering it until "
                    "their peak fits too: a run's changing shapes fragment the allocator's cache (default: 16 on "

@@ -22,7 +22,7 @@ every fixed batch homogeneous and hide the padding a training run's random batch
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from odb_core.config import BudgetName
@@ -127,9 +127,9 @@ def jsonl_lengths(path: str, max_length: int | None = None, limit: int | None = 
     from odb_tools.demo.chat_data import tokenizer
 
     tok = tokenizer()
-    out = []
+    out: list[int] = []
     with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+        for n, line in _utf8_lines(f, path):
             if limit is not None and len(out) >= limit:
                 break
             if not line.strip():
@@ -152,3 +152,13 @@ def jsonl_lengths(path: str, max_length: int | None = None, limit: int | None = 
             length = len(tok.encode(text))
             out.append(min(length, max_length) if max_length else length)
     return out
+
+
+def _utf8_lines(f: Iterable[str], path: str) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a file opened as UTF-8 text; ``ValueError`` naming ``path`` when it is not."""
+    n = 0
+    try:
+        for n, line in enumerate(f, 1):
+            yield n, line
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason}{f', after line {n}' if n else ''})") from None

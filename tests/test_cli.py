@@ -135,10 +135,13 @@ def bad_inputs(tmp_path):
     (tmp_path / "zeros.txt").write_text("0\n0\n0\n")
     (tmp_path / "config_list.json").write_text("[1, 2]")
     (tmp_path / "no_lengths.txt").write_text("\n")
+    for name in ("latin1.txt", "latin1.jsonl"):
+        (tmp_path / name).write_bytes(b"12\n13\ncaf\xe9 5\n")  # latin-1: 0xe9 is not UTF-8
     return {"negative": str(negative), "missing": str(tmp_path / "missing.jsonl"), "empty": str(tmp_path / "no_traces"),
             "lengths": str(tmp_path / "lengths_ok.txt"), "no_lengths": str(tmp_path / "no_lengths.txt"),
             "zeros": str(tmp_path / "zeros.txt"),
-            "config_list": str(tmp_path / "config_list.json"),
+            "config_list": str(tmp_path / "config_list.json"), "latin1": str(tmp_path / "latin1.txt"),
+            "latin1_jsonl": str(tmp_path / "latin1.jsonl"),
             **{name: str(tmp_path / f"{name}.jsonl") for name in files}}
 
 
@@ -188,6 +191,9 @@ BAD = [
       "--hunt-examples", "0"], "check", "nothing to check"),
     (["check", "--traces", "-1"], "check", "--traces"),
     (["check", "--select", "quick_join_2x4", "--real-traces", "{empty}"], "check", "no trace logs"),
+    (["simulate", "--lengths", "{latin1}"], "simulate", "latin1.txt: not UTF-8 text"),  # the file was not named
+    (["profile", "--lengths", "{latin1}"], "profile", "latin1.txt: not UTF-8 text"),
+    (["profile", "--jsonl", "{latin1_jsonl}"], "profile", "latin1.jsonl: not UTF-8 text"),
 ]
 
 
@@ -243,3 +249,38 @@ def test_a_missing_optional_package_is_one_line_naming_it_and_its_extra(module, 
     assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, (out.returncode, out.stderr)
     assert lines[0].startswith(f"odb {command}: needs ") and module in lines[0], lines
     assert f"pip install 'odb-verified[{extra}]'" in lines[0], lines
+
+
+@pytest.mark.parametrize("command", ["simulate", "demo"])
+def test_world_0_is_refused_by_the_parser_with_usage(command, capsys):
+    """README: a value the argument parser refuses (``--world 0``) comes after the command's usage;
+    ``odb simulate --world 0`` was refused later, one line without usage, unlike ``odb demo``."""
+    rc, err = run_cli([command, "--world", "0"], capsys)
+    assert rc == 2 and err.startswith(f"usage: odb {command}"), err
+    assert f"odb {command}: error: argument --world: must be >= 1, got 0" in err, err
+
+
+def test_memory_units_are_listed_in_the_error_and_g_is_decimal():
+    """``--memory``'s error listed B, KB, MB, GB, KiB, MiB, GiB while K, M, G, T, TB and TiB were
+    accepted too: it lists every unit parse_bytes takes; 80G is 80 x 10^9 bytes, 80GiB 80 x 2^30."""
+    import re
+
+    from odb_tools.tune.search import _UNITS, parse_bytes
+
+    with pytest.raises(ValueError) as err:
+        parse_bytes("80X")
+    listed = set(re.findall(r"[a-z]+", str(err.value).lower().split("unit:", 1)[1]))
+    assert set(_UNITS) - {""} <= listed, set(_UNITS) - listed
+    assert parse_bytes("80G") == parse_bytes("80gb") == 80 * 10**9 and parse_bytes("80GiB") == 80 * 2**30
+
+
+def test_every_tune_option_with_a_default_shows_it_in_help():
+    """``odb tune --help`` left out --max-budget's default (1048576), --max-shapes' (8) and --dtype's."""
+    import argparse
+
+    from odb_tools.cli import build_parser
+
+    tune = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["tune"]
+    silent = [a.dest for a in tune._actions
+              if a.default not in (None, False, [], argparse.SUPPRESS) and "default" not in (a.help or "")]
+    assert silent == [], silent
