@@ -1,9 +1,10 @@
 """Audits of a simulated epoch: coverage, lockstep, batch shapes and costs.
 
 Measures (as README.md's "Measured" reports them): padding fraction = 1 - sum real tokens /
-sum (max len x size); budget fill = real tokens / (L_max x groups); samples/update;
-alignment overhead = steps per rank with alignment / mean groups per rank when each rank
-groups alone - 1; gather payload = bytes one rank sends per round.
+sum (max len x size) under the padded budget, 0 under the packed one; budget fill = real
+tokens / (L_max x groups); samples/update; alignment overhead = steps per rank with alignment
+/ mean groups per rank when each rank groups alone - 1; gather payload = bytes one rank sends
+per round.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ class Audit:
     rounds: int
     skip_rounds: int
     padding_fraction: float
-    """1 - real tokens / (max len x size) over the emitted groups (as padded batches; a packed
-    batch of the packed budget has none)."""
+    """1 - real tokens / (max len x size) over the emitted groups under the padded budget; 0 under
+    the packed budget, whose groups are padding-free rows of real tokens (``budget_fill`` says how
+    full they are)."""
     budget_fill: float
     """Real tokens / (L_max x groups), over-budget singletons left out: the share of each
     group's budget its samples use (the packed budget's packing efficiency)."""
@@ -106,7 +108,7 @@ def audit(result: SimResult) -> Audit:
         coverage_exact=identities == expected,
         rounds=result.rounds,
         skip_rounds=result.skip_rounds,
-        padding_fraction=1 - real / padded if padded else 0.0,
+        padding_fraction=1 - real / padded if padded and result.config.budget == "padded" else 0.0,
         budget_fill=sum(within) / (len(within) * result.config.token_budget) if within else 0.0,
         samples_per_update=total_emitted / updates if updates else 0.0,
         alignment_overhead=updates / alone - 1 if alone else 0.0,

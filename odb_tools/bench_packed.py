@@ -2,9 +2,10 @@
 
 For one distribution and token budget L_max:
 
-* ``odb packed``: the real protocol (:func:`odb_core.simulate`, ``budget="packed"``,
-  in-order delivery, the given buffer, regroup at its default) at each world size W;
-  ``odb packed (target min)``: the same with ``target_policy="min"``;
+* ``odb packed (target balanced)``: the real protocol (:func:`odb_core.simulate`, ``budget="packed"``,
+  in-order delivery, the given buffer, regroup at its default) at each world size W with
+  ``target_policy="balanced"``; ``odb packed (target min)``: the same with the packed budget's
+  default, ``target_policy="min"``;
   ``odb packed (target min, pool 2%)``: the same with ``shared_tail=0.02``, whose reserve
   fills the ranks' part-full groups at the epoch's end (:mod:`odb_core.tail`);
 * ``ffd oracle (offline)``: first-fit decreasing over every length at once (the oracle
@@ -132,9 +133,9 @@ def trl_bfd(lengths: Sequence[int], budget: int, batch_size: int | None = 1000) 
             "dropped_samples": sum(1 for x in lengths if x == 0)}
 
 
-#: the ODB rows: (batcher label, target policy)
+#: the ODB rows: (batcher label, target policy, shared tail); each label names its target
 ODB_PACKED: tuple[tuple[str, TargetPolicyName, float], ...] = (
-    ("odb packed", "balanced", 0.0), ("odb packed (target min)", "min", 0.0),
+    ("odb packed (target balanced)", "balanced", 0.0), ("odb packed (target min)", "min", 0.0),
     ("odb packed (target min, pool 2%)", "min", 0.02))
 
 

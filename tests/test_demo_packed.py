@@ -152,3 +152,33 @@ def test_packed_accumulation_steps_on_the_demo_shape():
     # seeded bug: keeping the padded row's 4 micro-batches per update gives fewer updates
     padded, packed = (window_groups(lengths, 256, 1024, packed=p) for p in (False, True))
     assert packed / 4 < padded / 4 <= packed / a
+
+
+def test_the_demo_table_prints_the_target_and_epoch_seconds_as_readme_quotes_it():
+    """README's demo table is a copy of ``odb demo``'s: fed README's own figures, :func:`table`
+    prints README's header (the target loss in it) and rows line for line (each time to loss with
+    the method's epoch seconds). It printed a speedup column, no target and no epoch seconds."""
+    import re
+    from pathlib import Path
+
+    from odb_tools.demo.report import speedups, table
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text().splitlines()
+    start = next(k for k, line in enumerate(readme) if line.startswith("| method | samples/s") and "(" in line)
+    quoted = readme[start:start + 6]
+    target = float(re.search(r"time to Standard's loss \((\d+\.\d+)\)", quoted[0]).group(1))
+    config = {"token_budget": 4096, "accumulation_steps": 4, "packed_accumulation_steps": 3}  # the full preset's
+    rows = []
+    for line, name in zip(quoted[2:], ("standard", "sorted", "odb", "odb-packed"), strict=True):
+        cells = line.strip("|").split(" | ")
+        reached = re.fullmatch(r"(\d+\.\d) s \(of (\d+\.\d) s\)", cells[7].strip())
+        rows.append({"name": name, "samples_per_second": float(cells[1]), "tokens_per_second": float(cells[2].replace(",", "")),
+                     "padding_fraction": float(cells[3].rstrip("%")) / 100, "samples_per_update": float(cells[4]),
+                     "updates": int(cells[5]), "final_loss": float(cells[6]),
+                     "time_to_standard_loss": float(reached.group(1)) if reached else None,
+                     "seconds": float(reached.group(2)) if reached else 60.0, "speedup_vs_standard": 1.0})
+    assert rows[1]["time_to_standard_loss"] is None and rows[0]["time_to_standard_loss"] is not None
+    assert table(rows, target, config).splitlines() == quoted
+    assert table(rows).splitlines()[0].endswith("| time to Standard's loss |")  # no target: none shown
+    rows[2]["speedup_vs_standard"] = 3.478
+    assert "ODB 3.48x" in speedups(rows) and "Standard" not in speedups(rows).split(":", 1)[1]

@@ -189,3 +189,24 @@ def test_a_step_that_fails_not_for_memory_is_a_model_error_not_a_budget_that_doe
     assert peak is None and error.startswith("MemoryError")
     assert out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
     assert not out_of_memory(ValueError("a packed batch needs both position_ids and cu_seq_lens_q"))
+
+
+def test_a_step_that_fails_not_for_memory_in_the_warm_up_is_one_line_exit_2():
+    """The warm-up step (one token, before any budget) ran unguarded: a model whose forward fails
+    with a shape error gave a RuntimeError traceback (exit 1); it is the same ModelStepError as a
+    measured shape's failure, one line naming the cause, exit status 2."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
+    env.pop("ODB_DEBUG", None)
+    done = subprocess.run([sys.executable, "-m", "odb_tools", "tune", "--model", "tune_support:mismatched_matmul",
+                           "--memory", "1GB", "--max-length", "16"], capture_output=True, text=True, timeout=120,
+                          env=env, check=False)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[0].startswith("odb tune: warming up") and "not for memory" in lines[0], lines
+    assert "mat1 and mat2 shapes cannot be multiplied" in lines[0], lines

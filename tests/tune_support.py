@@ -4,6 +4,8 @@ not with their length alone: the worst padded shape is the one with the most tok
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from odb_tools.demo.model import ModelConfig, TinyCausalLM
@@ -18,3 +20,22 @@ def broken_factory() -> nn.Module:
     import torch
 
     return torch.nn.Linear(4, "2")  # type: ignore[arg-type]
+
+
+class MismatchedMatmul(nn.Module):
+    """A model whose forward multiplies a [.., 4] embedding by a [5, 3] weight: every step fails
+    with a shape error, never for memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import torch
+
+        self.embed = nn.Embedding(16, 4)
+        self.weight = nn.Parameter(torch.zeros(5, 3))
+
+    def forward(self, input_ids: Any, labels: Any = None, attention_mask: Any = None) -> Any:
+        return (self.embed(input_ids) @ self.weight).sum()
+
+
+def mismatched_matmul() -> nn.Module:
+    return MismatchedMatmul()

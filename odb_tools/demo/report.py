@@ -70,19 +70,42 @@ def summarize(name: str, run: dict[str, Any], standard_rate: float | None,
     }
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    """A Markdown table of the rows."""
-    head = ("| method | samples/s | tokens/s | padding | samples/update | updates | final loss | speedup vs Standard "
-            "| time to Standard's loss |\n|---|---|---|---|---|---|---|---|---|")
-    lines = [f"| {r['name']} | {r['samples_per_second']:.1f} | {r['tokens_per_second']:.0f} | "
+def label(name: str, config: dict[str, Any] | None = None) -> str:
+    """A method's name as the table shows it: Standard, Sorted, ODB and ODB packed, the ODB rows
+    with their micro-batches per update and tokens per micro-batch when ``config`` (the summary's)
+    is given."""
+    names = {"standard": "Standard", "sorted": "Sorted", "odb": "ODB", "odb-packed": "ODB packed"}
+    shown = names.get(name, name)
+    if config is None or name not in ("odb", "odb-packed"):
+        return shown
+    micro = config["token_budget"] // config["accumulation_steps"]
+    if name == "odb":
+        return f"{shown} ({config['accumulation_steps']} x {micro:,} tokens per rank per update)"
+    return f"{shown} ({config['packed_accumulation_steps']} x {micro:,} real tokens per rank per update)"
+
+
+def table(rows: list[dict[str, Any]], target: float | None = None, config: dict[str, Any] | None = None) -> str:
+    """A Markdown table of the rows (README's demo table is a copy of one): Standard's final smoothed
+    loss ``target`` in the last column's header, each time to it with the method's epoch seconds."""
+    last = "time to Standard's loss" + ("" if target is None else f" ({target:.3f})")
+    head = (f"| method | samples/s | tokens/s | padding | samples/update | updates | final loss | {last} |\n"
+            "|---|---|---|---|---|---|---|---|")
+    lines = [f"| {label(r['name'], config)} | {r['samples_per_second']:.1f} | {r['tokens_per_second']:,.0f} | "
              f"{r['padding_fraction']:.1%} | {r['samples_per_update']:.1f} | {r['updates']} | "
-             f"{r['final_loss']:.3f} | {r['speedup_vs_standard']:.2f}x | {_seconds(r.get('time_to_standard_loss'))} |"
+             f"{r['final_loss']:.3f} | {_time_to_loss(r)} |"
              for r in rows]
     return "\n".join([head, *lines])
 
 
-def _seconds(value: float | None) -> str:
-    return "not reached" if value is None else f"{value:.1f} s"
+def speedups(rows: list[dict[str, Any]]) -> str:
+    """One line: each method's samples/s against Standard's (``speedup_vs_standard``)."""
+    return "samples/s against Standard's: " + ", ".join(
+        f"{label(r['name'])} {r['speedup_vs_standard']:.2f}x" for r in rows if r["name"] != "standard")
+
+
+def _time_to_loss(row: dict[str, Any]) -> str:
+    reached = row.get("time_to_standard_loss")
+    return "not reached" if reached is None else f"{reached:.1f} s (of {row['seconds']:.1f} s)"
 
 
 def plot_time(runs: dict[str, dict[str, Any]], target: float | None, out_dir: Path) -> Path:

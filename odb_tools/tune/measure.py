@@ -199,8 +199,16 @@ def _vm_hwm() -> int:
 
 
 def warm_up(model: nn.Module, vocab_size: int, device: str, optimizer: str) -> None:
-    """One step on one token, so the process's baseline holds the code pages a step touches."""
-    train_step(model, Shape("padded", 1, 1, 1), vocab_size, device, optimizer)
+    """One step on one token, so the process's baseline holds the code pages a step touches;
+    :class:`ModelStepError` when it fails other than by running out of memory (which propagates)."""
+    try:
+        train_step(model, Shape("padded", 1, 1, 1), vocab_size, device, optimizer)
+    except Exception as exc:
+        if out_of_memory(exc):
+            raise
+        cause = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line: the CLI prints it as the error
+        raise ModelStepError(f"warming up (one step on one token): the model's training step failed, not for "
+                             f"memory: {cause[:300]}") from exc
 
 
 def baseline_bytes(device: str) -> int:

@@ -36,11 +36,15 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
 
+UNITS_ACCEPTED = "B, K or KB, M or MB, G or GB, T or TB (powers of 1000), KiB, MiB, GiB, TiB (powers of 1024)"
+"""The units :func:`parse_bytes` takes (any case), as its error lists them."""
+
+
 def parse_bytes(text: str) -> int:
     """``"24GiB"``, ``"1.5G"``, ``"800MB"``, ``"123456"`` -> bytes (decimal units, binary with i)."""
     match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"memory size {text!r}: expected a number with an optional unit (B, KB, MB, GB, KiB, MiB, GiB)")
+        raise ValueError(f"memory size {text!r}: expected a number with an optional unit: {UNITS_ACCEPTED}")
     size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
     if size <= 0:
         raise ValueError(f"memory size {text!r}: must be more than 0 bytes")
