@@ -9,9 +9,12 @@ which the simulator, the conformance harness and the collate process accept.
 
 from __future__ import annotations
 
+import random
 from bisect import insort
 from collections.abc import Sequence
-from itertools import accumulate
+from dataclasses import replace
+from fractions import Fraction
+from itertools import accumulate, count
 from typing import Any
 
 from odb_core.epoch import ClaimRule, EpochDriver
@@ -266,6 +269,43 @@ class FillOneRankDriver(EpochDriver):
     claim_rule_cls = OneRankRule
 
 
+class SlowTargetProtocol(RankProtocol):
+    """P6 (a hypothesis hunt only: no spec twin): two rounds in three skip (target 0) whatever the
+    headers say, so an epoch takes about three times its rounds; every view is still emitted once
+    in lockstep, so only the round bound catches it."""
+
+    def _target(self, headers: Any) -> int:
+        return 0 if self.round % 3 else super()._target(headers)
+
+
+class LocalMeanProtocol(RankProtocol):
+    """P7 (a hypothesis hunt only): every rank weighs its step 1/W, the mean of the ranks' local
+    means, whatever its tokens (the weights still sum to 1 when no rank is idle; the per-token
+    mean is lost when the ranks' token counts differ)."""
+
+    def on_steps(self, gathered: Any) -> list[Step]:
+        return [replace(s, weight=Fraction(1, self.world)) for s in super().on_steps(gathered)]
+
+
+_RUNS = count()
+
+
+class RunSeededOrderProtocol(RankProtocol):
+    """P8 (a hypothesis hunt only): a round's items in an order seeded by how many protocols this
+    process has built so far, run-dependent state (as a seed from the clock or ``hash()`` would be),
+    not by the configured seed; within a run every rank keeps its own order, so P1-P7 hold."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._run = next(_RUNS)
+
+    def _align(self, groups: list[list[int]], target: int) -> tuple[list[list[int]], list[list[int]]]:
+        emitted, recirculated = super()._align(groups, target)
+        emitted = list(emitted)
+        random.Random(f"{self._run}:{self.round}").shuffle(emitted)
+        return emitted, recirculated
+
+
 def _with(name: str, protocol: type[RankProtocol]) -> type[EpochDriver]:
     """An epoch driver running ``protocol`` (named ``name`` in this module, so it pickles)."""
     return type(name, (EpochDriver,), {"protocol_cls": protocol, "__module__": __name__, "__doc__": protocol.__doc__})
@@ -279,6 +319,10 @@ MergeOverflowDriver = _with("MergeOverflowDriver", MergeOverflowProtocol)
 PackOverfillDriver = _with("PackOverfillDriver", PackOverfillProtocol)
 SplitDupDriver = _with("SplitDupDriver", SplitDupProtocol)
 ReemitDriver = _with("ReemitDriver", ReemitProtocol)
+
+SlowTargetDriver = _with("SlowTargetDriver", SlowTargetProtocol)
+LocalMeanDriver = _with("LocalMeanDriver", LocalMeanProtocol)
+RunSeededOrderDriver = _with("RunSeededOrderDriver", RunSeededOrderProtocol)
 
 #: the core mutants, each the twin of spec/cfg/mutant_<name>.cfg
 MUTANTS: dict[str, type[EpochDriver]] = {
@@ -302,13 +346,17 @@ ADAPTER_MUTANTS: dict[str, type[EpochDriver]] = {"local-quota": LocalQuotaDriver
 #: mutants of the shared tail's claims (join mode with a pool), caught by replaying pooled traces
 POOL_MUTANTS: dict[str, type[EpochDriver]] = {"double-deal": DoubleDealDriver, "drop-last-claim": DropLastClaimDriver,
                                                "fill-least-room": FillLeastRoomDriver, "fill-one-rank": FillOneRankDriver}
+#: mutants of the properties the spec does not model or bounds loosely (P6's round bound, P7's
+#: weights, P8's determinism): the hypothesis properties of tests/test_properties.py catch them
+PROPERTY_MUTANTS: dict[str, type[EpochDriver]] = {"slow-target": SlowTargetDriver, "local-mean": LocalMeanDriver,
+                                                   "run-seeded-order": RunSeededOrderDriver}
 
 
 def driver(mutant: str | None) -> type[EpochDriver]:
     """The epoch driver class of ``mutant`` (the real one for None)."""
     if mutant is None:
         return EpochDriver
-    table = {**MUTANTS, **ADAPTER_MUTANTS, **POOL_MUTANTS}
+    table = {**MUTANTS, **ADAPTER_MUTANTS, **POOL_MUTANTS, **PROPERTY_MUTANTS}
     if mutant not in table:
         raise ValueError(f"unknown mutant {mutant!r}; known: {sorted(table)}")
     return table[mutant]

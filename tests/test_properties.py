@@ -13,12 +13,13 @@ import pytest
 from hypothesis import given
 
 from model_checks.strategies import cases, lengths_from_seed
-from odb_core import NonJoinStalledError, ODBConfig, RankProtocol, audit, simulate
+from odb_core import NonJoinStalledError, ODBConfig, RankProtocol, RoundBoundError, audit, simulate
 from odb_core.budgets import group_cost
+from odb_core.epoch import EpochDriver
 
 
-def run(case, observer=None):
-    return simulate(case.lengths, case.world, case.config, case.schedule, observer=observer)
+def run(case, observer=None, driver_cls=EpochDriver):
+    return simulate(case.lengths, case.world, case.config, case.schedule, observer=observer, driver_cls=driver_cls)
 
 
 def check_partition(protos: list[RankProtocol]) -> None:
@@ -84,49 +85,88 @@ def test_p5_non_join_quota_closure(case):
     assert result.max_step_samples == max_step
 
 
-@given(cases(modes=("join",)))
-def test_p6_join_terminates_within_round_bound(case):
-    result = run(case)
+def p6_breach(case, driver_cls=EpochDriver) -> str | None:
+    """How a join epoch of ``case`` breaks P6's round bound, or None if it keeps it. Every round
+    each unfinished rank either receives >= 1 sample (fair delivery) or emits >= 1 (paper
+    policy); under all-ready, either all waiting ranks receive or all ready ranks emit. Each view
+    arrives once and is emitted once, plus the final round."""
+    try:
+        result = run(case, driver_cls=driver_cls)
+    except RoundBoundError as exc:
+        return f"no end within the simulator's limit: {exc}"
     views = [len(v) for v in result.shards[0]]
-    # Every round each unfinished rank either receives >= 1 sample (fair delivery) or
-    # emits >= 1 (paper policy); under all-ready, either all waiting ranks receive or
-    # all ready ranks emit. Each view arrives once and is emitted once, plus the final round.
-    bound = 2 * max(views) + 1 if case.config.target_policy == "paper" else 2 * sum(views) + 1
     cfg = case.config
+    bound = 2 * max(views) + 1 if cfg.target_policy == "paper" else 2 * sum(views) + 1
     if cfg.target_policy == "paper" and cfg.budget == "packed" and cfg.regroup_padding is not None:
         # the packed pool hold: a rank holding every group for the pool neither receives nor
         # emits while the others do, and each such round deals at least one pool view
         bound += int(cfg.shared_tail * len(case.lengths))
-    assert result.rounds <= bound
+    return None if result.rounds <= bound else f"{result.rounds} rounds, bound {bound}"
+
+
+@given(cases(modes=("join",)))
+def test_p6_join_terminates_within_round_bound(case):
+    assert p6_breach(case) is None
+
+
+def p7_breach(case, driver_cls=EpochDriver) -> str | None:
+    """How ``case``'s exact weights break P7 (every rank's weight of a step sums to exactly 1 and
+    recovers the per-token mean of the step's losses; 0 for a step of no tokens), or None."""
+    exact = ODBConfig(**{**case.config.model_dump(), "loss_scaling": "exact"})
+    result = simulate(case.lengths, case.world, exact, case.schedule, driver_cls=driver_cls)
+    for items in zip(*result.steps):
+        total_tokens = items[0].global_tokens
+        if any(s.global_tokens != total_tokens for s in items) or total_tokens != sum(s.local_tokens for s in items):
+            return "the ranks disagree on a step's tokens"
+        weights = [s.weight for s in items]
+        if not total_tokens:
+            if any(w != 0 for w in weights):
+                return f"a step of no tokens weighs {weights}"
+            continue
+        if sum(weights) != 1:
+            return f"weights {weights} sum to {sum(weights)}"
+        # per-token losses: token k of sample i has loss (i * 7 + k) % 5, integers
+        losses = [[(ident * 7 + k) % 5 for ident, n in zip(s.identities, s.lengths) for k in range(n)] for s in items]
+        reference = Fraction(sum(map(sum, losses)), total_tokens)
+        scaled = sum(w * Fraction(sum(ls), len(ls)) for w, ls in zip(weights, losses) if ls)
+        if scaled != reference:
+            return f"weighted loss {scaled}, per-token mean {reference}"
+    return None
 
 
 @given(cases())
 def test_p7_exact_weights_sum_to_one_and_recover_per_token_mean(case):
-    exact = ODBConfig(**{**case.config.model_dump(), "loss_scaling": "exact"})
-    result = simulate(case.lengths, case.world, exact, case.schedule)
-    for items in zip(*result.steps):
-        total_tokens = items[0].global_tokens
-        assert all(s.global_tokens == total_tokens for s in items)
-        assert total_tokens == sum(s.local_tokens for s in items)
-        weights = [s.weight for s in items]
-        if total_tokens:
-            assert sum(weights) == 1
-            # per-token losses: token k of sample i has loss (i * 7 + k) % 5, integers
-            losses = [[(ident * 7 + k) % 5 for ident, n in zip(s.identities, s.lengths) for k in range(n)] for s in items]
-            reference = Fraction(sum(map(sum, losses)), total_tokens)
-            scaled = sum(w * Fraction(sum(ls), len(ls)) for w, ls in zip(weights, losses) if ls)
-            assert scaled == reference
-        else:
-            assert all(w == 0 for w in weights)
-        assert all(s.weight == 0 for s in items if s.is_idle)
+    assert p7_breach(case) is None
+
+
+def p8_breach(case, driver_cls=EpochDriver) -> str | None:
+    """Where two runs of ``case`` (same seed, data and world size) give different batches, or None."""
+    a, b = run(case, driver_cls=driver_cls), run(case, driver_cls=driver_cls)
+    first = [[(s.round, s.identities) for s in steps] for steps in a.steps]
+    second = [[(s.round, s.identities) for s in steps] for steps in b.steps]
+    return None if first == second else "two runs of the same case gave different batches"
 
 
 @given(cases())
 def test_p8_determinism_same_inputs_same_batches(case):
-    a, b = run(case), run(case)
-    assert [[(s.round, s.identities) for s in steps] for steps in a.steps] == [
-        [(s.round, s.identities) for s in steps] for steps in b.steps
-    ]
+    assert p8_breach(case) is None
+
+
+@pytest.mark.parametrize(("mutant", "breach", "modes"), [("slow-target", p6_breach, ("join",)),
+                                                         ("local-mean", p7_breach, ("join", "non-join")),
+                                                         ("run-seeded-order", p8_breach, ("join", "non-join"))])
+def test_p6_p7_p8_catch_their_seeded_bugs(mutant, breach, modes):
+    """Each of P6, P7 and P8's properties above finds a case its seeded bug breaks
+    (``model_checks.mutants.PROPERTY_MUTANTS``): a third of the rounds emitting, every rank
+    weighing 1/W, a round's order seeded by run-dependent state."""
+    from hypothesis import HealthCheck, Phase, find, settings
+
+    from model_checks.mutants import driver
+
+    found = find(cases(modes=modes), lambda case: breach(case, driver(mutant)) is not None,  # NoSuchExample: missed
+                 settings=settings(max_examples=400, database=None, phases=(Phase.generate,),
+                                   suppress_health_check=list(HealthCheck)))
+    assert breach(found) is None, "the real protocol keeps the property on the case that breaks the bug's"
 
 
 @given(cases(modes=("join",)))
