@@ -143,7 +143,8 @@ def fault_rank_main(rank: int, world: int, port: int, out_dir: str, task: dict[s
         result["error"] = None
     except BaseException as exc:
         result.update(error=type(exc).__name__, message=str(exc), error_rank=getattr(exc, "rank", None),
-                      error_indices=list(getattr(exc, "indices", ())), after=time.time() - started,
+                      error_indices=list(getattr(exc, "indices", ())), error_field=getattr(exc, "field", None),
+                      error_ranks=list(getattr(exc, "ranks", None) or ()), after=time.time() - started,
                       since_fault=time.time() - result.get("fault_at", started), trace=traceback.format_exc())
         if isinstance(exc, KeyboardInterrupt):  # exit with the loader still open, as a script would
             Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))

@@ -64,9 +64,9 @@ CASES = [
     case({"length": "nan"}, "InvalidSampleError", "PeerError", (BAD,), QUICK, id="length-nan"),
     case({"tokens": "excess", "workers": 1}, "InvalidSampleError", "PeerError", (BAD,), QUICK, id="loss-tokens-excess"),
     case({"per_rank": {"1": {"seed": 4}}}, "ConfigMismatchError", "ConfigMismatchError", None, QUICK,
-         id="sampler-seed-differs"),
+         id="seed-differs", field="seed"),
     case({"per_rank": {"1": {"n": 38}}}, "ConfigMismatchError", "ConfigMismatchError", None, QUICK,
-         id="dataset-size-differs"),
+         id="dataset-size-differs", field="dataset_size"),
     # processes: the victim is rank 0, faulted at step FAULT_STEP
     case({"fault": "kill_collate", "workers": 2}, "CollateProcessError", "PeerError", None, QUICK,
          id="collate-process-killed", trace=True, needle="killed by SIGKILL"),
@@ -107,6 +107,10 @@ def test_fault_is_a_typed_error_on_every_rank_in_bounded_time_leaving_nothing(
     elif indices is not None:
         assert tuple(results[0]["error_indices"]) == indices, results[0]
         assert f"sample {indices[0]}" in results[0]["message"] or f"index {indices[0]}" in results[0]["message"]
+    if "field" in kw:  # a mismatch: every rank names the field and the other rank, before any batch
+        for r in results:
+            assert r["error_field"] == kw["field"] and r["error_ranks"] == [1 - r["rank"]], r
+            assert r["yielded"] == [], f"rank {r['rank']}: a batch before the mismatch was found"
     if "needle" in kw:
         assert kw["needle"] in results[0]["message"], results[0]
     if kw.get("trace"):
