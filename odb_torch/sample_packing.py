@@ -4,12 +4,13 @@ ODB needs samples one by one (their lengths drive the grouping), but sharing eac
 sample's tensors separately costs one socket round trip per tensor under torch's
 default ``file_descriptor`` strategy (about 0.5 ms each, measured). Workers therefore
 load a chunk of consecutive sampler views, measure each sample (length and loss
-tokens, in parallel across workers), and pack every tensor of the chunk into one flat
-buffer per dtype: plain bytes through the pipe when the chunk is small (no shared
-memory, no fd passing), a shared-memory tensor when it is large. The collate process
-unpacks them into views of that buffer. Samples keep their structure, values, dtypes
-and shapes; only tensors inside dicts, lists and tuples are packed, anything else
-travels as is.
+tokens, in parallel across workers), and pack the chunk: uniform plain dicts as columns, one
+buffer per tensor field (:mod:`odb_torch.chunk_columns`), anything else with every tensor
+moved into one flat buffer per dtype. Buffers go as plain bytes through the pipe when the
+chunk is small (no shared memory, no fd passing), as shared-memory tensors when it is large.
+The collate process unpacks them into views of those buffers. Samples keep their structure,
+values, dtypes and shapes; only tensors inside dicts, lists and tuples are packed, anything
+else travels as is.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from odb_torch.collate import holds_counts
 from odb_torch.losses import signed_labels
 
 INLINE_BYTES = 4 << 20
-"""Chunks whose tensors total at most this many bytes travel by value through the pipe."""
+"""Chunks whose tensors total at most this many bytes travel by value through the pipe (columns
+or per-dtype buffers alike); larger ones as shared tensors, one per dtype."""
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,8 @@ def _pack_leaves(samples: list[Any]) -> PackedChunk:
 
     skeletons = [_map_leaves(s, strip) for s in samples]
     sizes = {dt: [t.numel() for t in ts] for dt, ts in pieces.items()}
-    flat = {dt: torch.cat(ts) for dt, ts in pieces.items()}
+    with torch.no_grad():  # values only: a tensor that requires grad would not pickle (a large chunk)
+        flat = {dt: torch.cat(ts) for dt, ts in pieces.items()}
     if sum(t.numel() * t.element_size() for t in flat.values()) <= INLINE_BYTES:
         return PackedChunk(skeletons, {dt: ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
                                        for dt, t in flat.items()}, sizes)
@@ -330,20 +333,26 @@ class Packer:
             for sample in samples:
                 if isinstance(sample, LoadFailed):
                     raise sample.error
-            columns = columns_of(samples)
-            measures = self._measures(items, columns)
+            columns, measures = self._columns_and_measures(items, samples)
         except ODBError as exc:
             return PackedChunk([], {}, error=exc)
         chunk = _packed_columns(columns, len(samples)) if columns is not None else _pack_leaves(samples)
         chunk.measures = measures
         return chunk
 
-    def _measures(self, items: list[tuple[int, Any]], columns: list[Column] | None) -> list[tuple[int, int]]:
-        """Every sample's (length, loss tokens): by whole columns where the default rules apply to
-        them (:func:`~odb_torch.chunk_columns.column_measures`), else sample by sample."""
-        if columns is not None and self.length_fn is None and self.loss_tokens_fn is None:
+    def _columns_and_measures(self, items: list[tuple[int, Any]],
+                              samples: list[Any]) -> tuple[list[Column] | None, list[tuple[int, int]]]:
+        """The chunk's columns (None: the general packing) and every sample's (length, loss tokens):
+        by whole columns where the default rules apply to them
+        (:func:`~odb_torch.chunk_columns.column_measures`), else sample by sample. A user's
+        ``length_fn`` or ``loss_tokens_fn`` runs before the columns copy the samples, so what it
+        does to a sample travels with it, as in the general packing."""
+        defaults = self.length_fn is None and self.loss_tokens_fn is None
+        columns = columns_of(samples) if defaults else None
+        if columns is not None:
             measures = column_measures(columns, len(items))
             if measures is not None:
-                return measures
-        counted = label_counts([sample for _, sample in items]) if self.loss_tokens_fn is None else [None] * len(items)
-        return [self.measure(sample, index, n) for (index, sample), n in zip(items, counted)]
+                return columns, measures
+        counted = label_counts(samples) if self.loss_tokens_fn is None else [None] * len(items)
+        measures = [self.measure(sample, index, n) for (index, sample), n in zip(items, counted)]
+        return (columns if defaults else columns_of(samples)), measures

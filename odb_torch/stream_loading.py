@@ -255,8 +255,9 @@ class _WorkerStart:
 
 
 def _chunk(samples: list[Any]) -> Any:
-    """A worker's chunk of consecutive elements: packed (one buffer per dtype) when they hold
-    tensors, else the list itself (plain values pickle faster than a walk over every leaf)."""
+    """A worker's chunk of consecutive elements: packed (:func:`~odb_torch.sample_packing.pack`:
+    columns for uniform dicts, else one buffer per dtype) when they hold tensors, else the list
+    itself (plain values pickle faster than a walk over every leaf)."""
     first = samples[0] if samples else None
     if isinstance(first, dict) and any(isinstance(v, torch.Tensor) for v in first.values()):
         return pack(samples)

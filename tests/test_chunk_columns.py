@@ -149,3 +149,75 @@ def test_input_ids_that_are_not_one_row_of_token_ids_are_named_as_before(kind):
     chunk = Packer(rank=1)([(7, {"input_ids": ids}), (8, {"input_ids": ids.clone()})])
     assert isinstance(chunk.error, InvalidSampleError) and chunk.error.indices == (7,)
     assert "input_ids" in str(chunk.error)
+
+
+def test_what_a_length_fn_does_to_a_sample_travels_with_it():
+    """A user's ``length_fn`` (or ``loss_tokens_fn``) runs before the samples are copied into
+    columns: a key it adds or a value it edits arrives, as with the general packing."""
+    def length_fn(sample):
+        sample["n"] = len(sample["input_ids"])
+        sample["input_ids"][0] = 1
+        return sample["n"]
+
+    items = [(0, {"input_ids": torch.zeros(3, dtype=torch.int64)}), (1, {"input_ids": torch.zeros(2, dtype=torch.int64)})]
+    chunk = pickle.loads(pickle.dumps(Packer(rank=0, length_fn=length_fn)(items)))
+    assert chunk.columns is not None and chunk.measures == [(3, 3), (2, 2)]
+    assert [(s["input_ids"].tolist(), s["n"]) for s in unpack(chunk)] == [([1, 0, 0], 3), ([1, 0], 2)]
+
+
+class Name(str):
+    """A key equal to a plain string, of another type."""
+
+
+def test_equal_keys_of_other_types_stay_each_samples_own():
+    for first, other in ((1, True), ("a", Name("a"))):
+        samples = [{first: torch.arange(2)}, {other: torch.arange(3)}]
+        back = unpack(pickle.loads(pickle.dumps(pack(samples))))
+        assert [type(next(iter(s))) for s in back] == [type(first), type(other)]
+
+
+def test_a_chunk_too_large_to_send_by_value_shares_one_tensor_per_dtype(monkeypatch):
+    """Over the inline limit the buffers stay tensors, which the queue shares (a descriptor's round
+    trip each): the fields of one dtype share one, and the samples come back whole."""
+    import odb_torch.sample_packing as sp
+
+    monkeypatch.setattr(sp, "INLINE_BYTES", 16)
+    samples = [{"input_ids": torch.arange(n), "labels": torch.arange(n) - 100, "mask": torch.ones(n, 2),
+                "idx": n} for n in (3, 5, 4)]
+    chunk = pack(samples)
+    assert chunk.columns is not None
+    shared = {id(c.buffer): c.buffer for c in chunk.columns if c.dtype is not None}
+    assert all(isinstance(b, torch.Tensor) for b in shared.values())
+    assert sorted(str(b.dtype) for b in shared.values()) == ["torch.float32", "torch.int64"], "one per dtype"
+    back = unpack(pickle.loads(pickle.dumps(chunk)))
+    assert all(_same(a[k], b[k]) for a, b in zip(samples, back) for k in a)
+    back[0]["input_ids"][0] = 7  # each sample's own view: an edit stays in it
+    assert back[1]["input_ids"].tolist() == [0, 1, 2, 3, 4] and back[0]["labels"].tolist() == [-100, -99, -98]
+
+
+def test_fields_whose_bytes_are_one_interned_object_stay_apart():
+    """Python keeps one object for b"" and for each one-byte string: two fields with those bytes
+    still come back with their own dtypes and storage."""
+    samples = [{"a": torch.tensor([5], dtype=torch.uint8), "b": torch.tensor([5], dtype=torch.uint8),
+                "c": torch.tensor([], dtype=torch.int32), "d": torch.tensor([], dtype=torch.int64),
+                "e": torch.tensor([True]), "f": torch.tensor([1], dtype=torch.uint8)}]
+    back = unpack(pickle.loads(pickle.dumps(pack(samples))))[0]
+    assert [back[k].dtype for k in "abcdef"] == [samples[0][k].dtype for k in "abcdef"]
+    back["a"][0] = 9
+    back["f"][0] = 0
+    assert back["b"].tolist() == [5] and back["e"].tolist() == [True]
+
+
+def test_a_large_chunk_of_tensors_that_require_grad_pickles_either_way(monkeypatch):
+    """Over the inline limit buffers travel as tensors, which the queue's pickler refuses when they
+    require grad: both packings send values only."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import odb_torch.sample_packing as sp
+
+    monkeypatch.setattr(sp, "INLINE_BYTES", 4)
+    for samples in ([{"x": torch.ones(3, requires_grad=True) * 2}], [{"x": [torch.ones(3, requires_grad=True) * 2]}]):
+        chunk = pack(samples)
+        back = unpack(ForkingPickler.loads(bytes(ForkingPickler.dumps(chunk))))
+        x = back[0]["x"] if isinstance(back[0]["x"], torch.Tensor) else back[0]["x"][0]
+        assert x.tolist() == [2.0, 2.0, 2.0] and not x.requires_grad
