@@ -470,13 +470,23 @@ OPTIONAL_PACKAGES = {"torch": ("torch", "torch"), "chitchat_dataset": ("chitchat
 """Top-level module -> (its PyPI package, the extra of ``pyproject.toml`` that installs it)."""
 
 
+def _installed(module: str) -> bool:
+    """Whether the top-level ``module`` can be found (an entry of None in ``sys.modules`` blocks it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def missing_package(exc: ImportError) -> str | None:
     """One line naming the optional package an import failed on and the extra to install, or None
-    when the module is not one of :data:`OPTIONAL_PACKAGES`."""
-    known = OPTIONAL_PACKAGES.get((exc.name or "").split(".")[0])
-    if known is None:
-        return None
-    package, extra = known
+    when the module is not one of :data:`OPTIONAL_PACKAGES` or is installed."""
+    top = (exc.name or "").split(".")[0]
+    if not isinstance(exc, ModuleNotFoundError) or top not in OPTIONAL_PACKAGES or _installed(top):
+        return None  # installed, yet a name or submodule is missing: another version, not a missing package
+    package, extra = OPTIONAL_PACKAGES[top]
     return f"needs {package} (the '{extra}' extra): pip install 'odb-verified[{extra}]' ({exc})"
 
 

@@ -251,6 +251,19 @@ def test_a_missing_optional_package_is_one_line_naming_it_and_its_extra(module, 
     assert f"pip install 'odb-verified[{extra}]'" in lines[0], lines
 
 
+def test_an_installed_package_missing_a_name_or_submodule_is_not_called_missing(monkeypatch):
+    """Another version of an installed package (a name it lacks, a submodule it does not have) is
+    the import's own error, not advice to install what is there."""
+    from odb_tools.cli import missing_package
+
+    assert missing_package(ImportError("cannot import name 'X' from 'torch'", name="torch")) is None
+    assert missing_package(ModuleNotFoundError("No module named 'transformers.nope'", name="transformers.nope")) is None
+    assert missing_package(ModuleNotFoundError("No module named 'numpy'", name="numpy")) is None
+    assert missing_package(ModuleNotFoundError("No module named 'transformers'", name="transformers")) is None
+    monkeypatch.setitem(sys.modules, "transformers", None)  # not installed, as far as imports can tell
+    assert "odb-verified[hf]" in (missing_package(ModuleNotFoundError("no", name="transformers")) or "")
+
+
 @pytest.mark.parametrize("command", ["simulate", "demo"])
 def test_world_0_is_refused_by_the_parser_with_usage(command, capsys):
     """README: a value the argument parser refuses (``--world 0``) comes after the command's usage;

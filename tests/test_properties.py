@@ -119,6 +119,8 @@ def p7_breach(case, driver_cls=EpochDriver) -> str | None:
         if any(s.global_tokens != total_tokens for s in items) or total_tokens != sum(s.local_tokens for s in items):
             return "the ranks disagree on a step's tokens"
         weights = [s.weight for s in items]
+        if any(s.weight != 0 for s in items if s.is_idle):
+            return f"an idle step weighs {[s.weight for s in items if s.is_idle]}"
         if not total_tokens:
             if any(w != 0 for w in weights):
                 return f"a step of no tokens weighs {weights}"
@@ -158,13 +160,15 @@ def test_p8_determinism_same_inputs_same_batches(case):
 def test_p6_p7_p8_catch_their_seeded_bugs(mutant, breach, modes):
     """Each of P6, P7 and P8's properties above finds a case its seeded bug breaks
     (``model_checks.mutants.PROPERTY_MUTANTS``): a third of the rounds emitting, every rank
-    weighing 1/W, a round's order seeded by run-dependent state."""
+    weighing 1/W, a round's order seeded by run-dependent state. The hunt's draws are derandomized
+    (the same every run: the round bound is loose, and random draws missed the first bug in about
+    one run in forty)."""
     from hypothesis import HealthCheck, Phase, find, settings
 
     from model_checks.mutants import driver
 
     found = find(cases(modes=modes), lambda case: breach(case, driver(mutant)) is not None,  # NoSuchExample: missed
-                 settings=settings(max_examples=400, database=None, phases=(Phase.generate,),
+                 settings=settings(max_examples=400, database=None, phases=(Phase.generate,), derandomize=True,
                                    suppress_health_check=list(HealthCheck)))
     assert breach(found) is None, "the real protocol keeps the property on the case that breaks the bug's"
 
