@@ -746,9 +746,9 @@ class ODBDataLoader:
                     continue
                 if not proc.is_alive():
                     self._fail(self._death())
-                if time.monotonic() > deadline and patience is not None:
-                    raise _NoMessage from None
                 if time.monotonic() > deadline:
+                    if patience is not None:
+                        raise _NoMessage from None
                     self._dump_collate_stacks()
                     self._fail(PeerError(
                         f"rank {self.rank}: no batch for {self.timeout * SILENCE_GRACE:.0f}s from a live collate "

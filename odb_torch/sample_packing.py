@@ -132,13 +132,16 @@ def _map_leaves(x: Any, leaf: Callable[[Any], Any]) -> Any:
 def pack(samples: list[Any]) -> PackedChunk:
     """Worker side (the DataLoader's collate_fn): a chunk of uniform dict samples as columns
     (:func:`odb_torch.chunk_columns.columns_of`), anything else with its tensors packed per dtype."""
-    columns = columns_of(samples)
-    return _packed_columns(columns, len(samples)) if columns is not None else _pack_leaves(samples)
+    return _pack(samples, columns_of(samples))
 
 
-def _packed_columns(columns: list[Column], count: int) -> PackedChunk:
+def _pack(samples: list[Any], columns: list[Column] | None) -> PackedChunk:
+    """``samples`` as their ``columns`` (:func:`~odb_torch.chunk_columns.columns_of`), or packed per
+    dtype when there are none."""
+    if columns is None:
+        return _pack_leaves(samples)
     inline(columns, INLINE_BYTES)
-    return PackedChunk([], {}, columns=columns, count=count)
+    return PackedChunk([], {}, columns=columns, count=len(samples))
 
 
 def _pack_leaves(samples: list[Any]) -> PackedChunk:
@@ -336,7 +339,7 @@ class Packer:
             columns, measures = self._columns_and_measures(items, samples)
         except ODBError as exc:
             return PackedChunk([], {}, error=exc)
-        chunk = _packed_columns(columns, len(samples)) if columns is not None else _pack_leaves(samples)
+        chunk = _pack(samples, columns)
         chunk.measures = measures
         return chunk
 
@@ -347,12 +350,14 @@ class Packer:
         (:func:`~odb_torch.chunk_columns.column_measures`), else sample by sample. A user's
         ``length_fn`` or ``loss_tokens_fn`` runs before the columns copy the samples, so what it
         does to a sample travels with it, as in the general packing."""
-        defaults = self.length_fn is None and self.loss_tokens_fn is None
-        columns = columns_of(samples) if defaults else None
-        if columns is not None:
-            measures = column_measures(columns, len(items))
-            if measures is not None:
-                return columns, measures
+        if self.length_fn is None and self.loss_tokens_fn is None:
+            columns = columns_of(samples)
+            measures = column_measures(columns, len(items)) if columns is not None else None
+            return columns, measures if measures is not None else self._each(items, samples)
+        measures = self._each(items, samples)  # first: the user's functions may change the samples
+        return columns_of(samples), measures
+
+    def _each(self, items: list[tuple[int, Any]], samples: list[Any]) -> list[tuple[int, int]]:
+        """Every sample's (length, loss tokens), measured one by one (:meth:`measure`)."""
         counted = label_counts(samples) if self.loss_tokens_fn is None else [None] * len(items)
-        measures = [self.measure(sample, index, n) for (index, sample), n in zip(items, counted)]
-        return (columns if defaults else columns_of(samples)), measures
+        return [self.measure(sample, index, n) for (index, sample), n in zip(items, counted)]
